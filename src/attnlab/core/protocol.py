@@ -1,0 +1,170 @@
+"""The one attention protocol every mechanism follows.
+
+A mechanism is an ``nn.Module`` built as ``Cls(cfg, dims)`` and called as
+``mech(q, k, v, ctx) -> AttnOutput``.
+
+Shape glossary (used in comments across the package):
+    b batch, h heads, n query length, m key length, d head dim, dv value head dim, w window.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal, NamedTuple, Protocol, runtime_checkable
+
+import torch
+
+Scope = Literal["head", "layer", "module"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class MechanismConfig:
+    """Base of every mechanism config: frozen, keyword-only, every field defaulted.
+
+    Subclasses set the class-level ``name`` (the registry key, lower snake case) and add
+    fields, each with a type, a default and a one-line comment giving the paper's symbol.
+    """
+
+    name: ClassVar[str] = ""
+
+    def spec(self) -> str:
+        """The spec string that rebuilds this config, e.g. ``band(window=64)``."""
+        args = ", ".join(
+            f"{f.name}={_spec_value(getattr(self, f.name))}" for f in dataclasses.fields(self)
+        )
+        return f"{self.name}({args})" if args else self.name
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-JSON form: ``{"name": ..., **fields}`` (tuples become lists)."""
+        out: dict[str, Any] = {"name": self.name}
+        for f in dataclasses.fields(self):
+            val = getattr(self, f.name)
+            out[f.name] = list(val) if isinstance(val, tuple) else val
+        return out
+
+
+def _spec_value(val: Any) -> str:
+    if isinstance(val, tuple):
+        return "[" + ", ".join(_spec_value(v) for v in val) + "]"
+    return repr(val)
+
+
+@dataclass(frozen=True)
+class HeadDims:
+    """Dimensions of the host attention layer; always taken from the model, never the user.
+
+    num_heads: h; head_dim: d; max_len: the host's maximum sequence length (None = unbounded).
+    """
+
+    num_heads: int
+    head_dim: int
+    max_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_heads < 1 or self.head_dim < 1:
+            raise ValueError(f"HeadDims needs num_heads >= 1 and head_dim >= 1, got {self}")
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a mechanism can do, declared before anything runs; surgery validates against it.
+
+    scope: "head" may share a layer with other mechanisms; "layer" mixes across heads (must
+      own every head of its layers); "module" also replaces projections (whole layers).
+    causal_ok: supports ``ctx.causal``.  key_mask_ok: honours ``ctx.key_mask``.
+    needs_max_len: has parameters sized by ``dims.max_len`` (e.g. Linformer's E, F).
+    exact: equals dense softmax over ``bias(n, m)`` (tested against core.reference).
+    complexity: time complexity in the shape glossary, e.g. "O(n*w)".
+    kv_heads: for scope "module" mechanisms that shrink K/V projections, the number of
+      K/V heads the host projections are reduced to (1 for multi-query attention).
+    """
+
+    family: str
+    paper: str
+    scope: Scope = "head"
+    causal_ok: bool = True
+    key_mask_ok: bool = True
+    needs_max_len: bool = False
+    exact: bool = False
+    complexity: str = "O(n*m)"
+    kv_heads: int | None = None
+
+
+@dataclass
+class AttnContext:
+    """Per-call context.
+
+    key_mask: [b, m] bool, True = keep (None = no padding).
+    causal: additionally require key j <= query i.
+    layer_idx: 0-based layer index (seeds per-layer randomness; cross-layer state key).
+    need_weights: return probabilities [b, h, n, m] in ``AttnOutput.probs``.
+    state: per-forward dict shared by all layers (RealFormer passes scores up the stack).
+    dropout: attention-probability dropout rate (applied only in training mode).
+    scale: score scale; None means 1/sqrt(d).
+    """
+
+    key_mask: torch.Tensor | None = None
+    causal: bool = False
+    layer_idx: int = 0
+    need_weights: bool = False
+    state: dict[str, Any] | None = None
+    dropout: float = 0.0
+    scale: float | None = None
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    def scale_for(self, head_dim: int) -> float:
+        return self.scale if self.scale is not None else head_dim**-0.5
+
+
+class AttnOutput(NamedTuple):
+    """out [b, h, n, dv]; probs [b, h, n, m] or None; aux_loss scalar tensor or None."""
+
+    out: torch.Tensor
+    probs: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
+
+
+@runtime_checkable
+class Mechanism(Protocol):
+    """Structural type of a mechanism (an nn.Module built as ``Cls(cfg, dims)``)."""
+
+    caps: ClassVar[Capabilities]
+    cfg: MechanismConfig
+    dims: HeadDims
+
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext
+    ) -> AttnOutput: ...
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dims: HeadDims | None = None,
+              kv_heads_ok: tuple[int, ...] = ()) -> None:
+    """Validate ranks and shapes of q [b,h,n,d], k [b,h',m,d], v [b,h',m,dv].
+
+    ``kv_heads_ok`` lists extra K/V head counts accepted besides q's (1 for multi-query).
+    Raises ValueError naming the offending tensor and the expected layout.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name} must be 4-D [batch, heads, length, head_dim], got shape "
+                f"{tuple(t.shape)}; reshape with .view(b, n, h, d).transpose(1, 2)"
+            )
+    b, h, _, d = q.shape
+    if k.shape[0] != b or v.shape[0] != b:
+        raise ValueError(f"batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}")
+    if k.shape[1] != v.shape[1] or (k.shape[1] != h and k.shape[1] not in kv_heads_ok):
+        raise ValueError(
+            f"k/v have {k.shape[1]}/{v.shape[1]} heads but q has {h}"
+            + (f" (accepted K/V head counts: {h}, {kv_heads_ok})" if kv_heads_ok else "")
+        )
+    if k.shape[-1] != d:
+        raise ValueError(f"q and k head dims differ: {d} vs {k.shape[-1]}")
+    if k.shape[2] != v.shape[2]:
+        raise ValueError(f"k and v lengths differ: {k.shape[2]} vs {v.shape[2]}")
+    if dims is not None and h != dims.num_heads:
+        raise ValueError(
+            f"q has {h} heads but the mechanism was built for {dims.num_heads} "
+            f"(HeadDims.num_heads)"
+        )

@@ -1,0 +1,85 @@
+"""Dense softmax attention: the canonical scaled dot-product (Vaswani et al. 2017)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..core import (
+    AttnContext,
+    AttnOutput,
+    Capabilities,
+    HeadDims,
+    MechanismConfig,
+    causal_mask,
+    check_qkv,
+    reference_attention,
+    register_mechanism,
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SoftmaxConfig(MechanismConfig):
+    name: ClassVar[str] = "softmax"
+
+
+def rows_with_keys(key_mask: torch.Tensor | None, causal: bool, n: int, m: int) -> torch.Tensor | None:
+    """[b,1,n,1] bool: does query row i have at least one allowed key? None = always."""
+    if key_mask is None:
+        return None
+    if causal:
+        seen = key_mask.cumsum(-1) > 0  # [b,m]: any kept key at or before j
+        return seen[:, None, m - n :, None]
+    return key_mask.any(-1)[:, None, None, None]
+
+
+@register_mechanism(SoftmaxConfig)
+class Softmax(nn.Module):
+    """Scaled dot-product attention, softmax(Q K^T / sqrt(d) + mask) V.
+
+    Paper: Vaswani et al., "Attention Is All You Need", NeurIPS 2017.
+    Fast path: ``F.scaled_dot_product_attention``; probabilities are materialised (via
+    ``core.reference``) only when ``ctx.need_weights``. Complexity O(n*m). bias() is all
+    zeros, so the fast path is checked against the reference directly.
+    """
+
+    caps: ClassVar[Capabilities] = Capabilities(
+        family="dense", paper="Vaswani et al. 2017", exact=True, complexity="O(n*m)"
+    )
+
+    def __init__(self, cfg: SoftmaxConfig, dims: HeadDims) -> None:
+        super().__init__()
+        self.cfg, self.dims = cfg, dims
+
+    def bias(self, n: int, m: int) -> torch.Tensor:
+        return torch.zeros(1, n, m)
+
+    def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
+        check_qkv(q, k, v)
+        scale = ctx.scale_for(q.shape[-1])
+        p = ctx.dropout if self.training else 0.0
+        if ctx.need_weights:
+            out, probs = reference_attention(
+                q, k, v, key_mask=ctx.key_mask, causal=ctx.causal, scale=scale,
+                dropout=p, training=self.training,
+            )
+            return AttnOutput(out, probs)
+        n, m = q.shape[-2], k.shape[-2]
+        mask = None  # bool, True = attend, broadcast to [b,h,n,m]
+        if ctx.key_mask is not None:
+            mask = ctx.key_mask[:, None, None, :].to(torch.bool)  # [b,1,1,m]
+        if ctx.causal and (mask is not None or n != m):
+            cm = causal_mask(n, m, q.device)  # [n,m]
+            mask = cm if mask is None else mask & cm
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=p,
+            is_causal=ctx.causal and mask is None, scale=scale,
+        )  # [b,h,n,dv]
+        live = rows_with_keys(ctx.key_mask, ctx.causal, n, m)
+        if live is not None:
+            out = torch.where(live, out, torch.zeros((), dtype=out.dtype, device=out.device))
+        return AttnOutput(out)
