@@ -27,7 +27,9 @@ class SoftmaxConfig(MechanismConfig):
     name: ClassVar[str] = "softmax"
 
 
-def rows_with_keys(key_mask: torch.Tensor | None, causal: bool, n: int, m: int) -> torch.Tensor | None:
+def rows_with_keys(
+    key_mask: torch.Tensor | None, causal: bool, n: int, m: int
+) -> torch.Tensor | None:
     """[b,1,n,1] bool: does query row i have at least one allowed key? None = always."""
     if key_mask is None:
         return None
