@@ -26,6 +26,7 @@ SMALL = {
     "bigbird": "bigbird(block=4, window_blocks=3, num_random_blocks=1, global_blocks=1)",
     "sparse_transformer": "sparse_transformer(mode='strided', stride=4)",
     "linformer": "linformer(k=8)",
+    "jat": "jat(rho=0.3, mask_pads=True)",
 }
 
 B, H, D, MAXLEN = 3, 4, 8, 64
