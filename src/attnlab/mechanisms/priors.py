@@ -1,0 +1,116 @@
+"""Attention with priors: extra additive terms on the scores (here: residual scores)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..core import (
+    AttnContext,
+    AttnOutput,
+    Capabilities,
+    HeadDims,
+    MechanismConfig,
+    causal_mask,
+    check_qkv,
+    masked_softmax,
+    register_mechanism,
+)
+
+# Key of the residual-score entry in ``AttnContext.state``; the value is a ResidualScores.
+REALFORMER_STATE_KEY = "realformer.scores"
+
+
+class ResidualScores(NamedTuple):
+    """Raw pre-softmax scores [b,h,n,m] of the last realformer layer, and that layer."""
+
+    scores: torch.Tensor
+    layer_idx: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class RealFormerConfig(MechanismConfig):
+    name: ClassVar[str] = "realformer"
+
+
+def previous_scores(
+    state: dict[str, Any] | None, layer_idx: int, shape: torch.Size
+) -> torch.Tensor | None:
+    """The previous realformer layer's scores from ``state`` (None at the first layer).
+
+    Raises ValueError when the entry comes from this or a later layer (a state dict reused
+    across forward passes, or two realformer groups in one layer) or has another shape
+    (the heads or lengths differ between layers).
+    """
+    if state is None or REALFORMER_STATE_KEY not in state:
+        return None
+    prev: ResidualScores = state[REALFORMER_STATE_KEY]
+    if prev.layer_idx >= layer_idx:
+        raise ValueError(
+            f"realformer at layer {layer_idx} found residual scores written by layer "
+            f"{prev.layer_idx}: AttnContext.state must be a fresh dict for each forward pass "
+            "and each layer may hold a single realformer group"
+        )
+    if prev.scores.shape != shape:
+        raise ValueError(
+            f"realformer at layer {layer_idx} has scores of shape [b,h,n,m]={list(shape)} "
+            f"but layer {prev.layer_idx} passed up {list(prev.scores.shape)}; residual "
+            "attention needs the same heads and lengths in every realformer layer "
+            "(put it on all heads of the layers, with equal head counts)"
+        )
+    return prev.scores
+
+
+@register_mechanism(RealFormerConfig)
+class RealFormer(nn.Module):
+    """Residual attention: each layer adds the previous layer's raw scores to its own.
+
+    Paper: Liu, Luo, Wang, Ma, Li, "RealFormer: Transformer Likes Residual Attention",
+    Findings of ACL 2021.
+    Formula: S_l = Q K^T / sqrt(d) + S_{l-1}; out = softmax(S_l + mask) V, where S_{l-1}
+    is the previous realformer layer's pre-softmax score (itself residual). The first
+    realformer layer of a forward pass (no entry in ``ctx.state``, or ``state`` None) is
+    plain softmax attention. Complexity O(n*m) time and memory (scores are materialised:
+    the next layer needs them).
+    Cross-layer state: the raw, un-masked (finite) S_l is stored in
+    ``ctx.state["realformer.scores"]`` with the layer index; the next layer checks that
+    the shape matches and raises a clear error otherwise. Masks (padding, causal) are
+    applied after the addition, so masked pairs never carry -inf up the stack. Gradients
+    flow through the residual path, as in the paper.
+    Scope "layer": head i of layer l must feed head i of layer l+1, which a per-layer
+    mechanism guarantees (the paper applies it to every head of every layer).
+    Dropout ``ctx.dropout`` applies to the probabilities in training mode.
+    """
+
+    caps: ClassVar[Capabilities] = Capabilities(
+        family="priors", paper="Liu et al. 2021", scope="layer", exact=False,
+        complexity="O(n*m)",
+    )
+
+    def __init__(self, cfg: RealFormerConfig, dims: HeadDims) -> None:
+        super().__init__()
+        self.cfg, self.dims = cfg, dims
+
+    def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
+        check_qkv(q, k, v)
+        n, m = q.shape[-2], k.shape[-2]
+        scores = (q @ k.transpose(-1, -2)) * ctx.scale_for(q.shape[-1])  # [b,h,n,m]
+        prev = previous_scores(ctx.state, ctx.layer_idx, scores.shape)
+        if prev is not None:
+            scores = scores + prev.to(scores.dtype)
+        if ctx.state is not None:
+            ctx.state[REALFORMER_STATE_KEY] = ResidualScores(scores, ctx.layer_idx)
+        allowed = torch.ones(n, m, dtype=torch.bool, device=q.device)  # [n,m]
+        if ctx.causal:
+            allowed = causal_mask(n, m, q.device)
+        allowed = allowed.expand(scores.shape)  # [b,h,n,m]
+        if ctx.key_mask is not None:
+            allowed = allowed & ctx.key_mask[:, None, None, :].to(torch.bool)
+        probs = masked_softmax(scores, allowed)  # [b,h,n,m]
+        p = F.dropout(probs, ctx.dropout, training=True) if self.training and ctx.dropout else probs
+        out = p @ v.to(p.dtype)  # [b,h,n,dv]
+        return AttnOutput(out, probs if ctx.need_weights else None)

@@ -1,0 +1,1 @@
+"""Recipes: explicit, top-to-bottom procedures behind the CLI commands."""
