@@ -96,7 +96,7 @@ class RealFormer(nn.Module):
         self.cfg, self.dims = cfg, dims
 
     def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
-        check_qkv(q, k, v)
+        check_qkv(q, k, v, self.dims)
         n, m = q.shape[-2], k.shape[-2]
         scores = (q @ k.transpose(-1, -2)) * ctx.scale_for(q.shape[-1])  # [b,h,n,m]
         prev = previous_scores(ctx.state, ctx.layer_idx, scores.shape)

@@ -1,0 +1,234 @@
+"""Experiment configs: YAML -> typed dataclasses, with ``key.sub=value`` overrides.
+
+Every field has a default, so the smallest config is ``task: {name: cola}``. Unknown keys
+are errors naming the close matches; values are type-checked. ``resolved_yaml`` writes the
+fully resolved config next to each run (``runs/<name>/config.yaml``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad config file or override; the message names the key and the fix."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = "default"  # "default" = embedded MiniLM; a from_pretrained path; "scratch:SIZE"
+    max_length: int = 128  # tokens per example (longer inputs are truncated)
+    attn_implementation: str = "sdpa"  # host attention for heads no plan touches
+    dropout: float | None = None  # override hidden/attention dropout (None = model's own)
+
+
+@dataclass
+class TaskConfig:
+    name: str = "cola"  # a registered task (attnlab.tasks)
+    data_dir: str | None = None  # local data folder, "builtin" for the shipped sample, None = hub
+    train_limit: int | None = None  # use only the first N training examples
+    eval_limit: int | None = None  # use only the first N evaluation examples
+    train_fraction: float = 1.0  # fraction of the training set (seeded subset)
+    eval_split: str = "dev"  # split used for evaluation
+
+
+@dataclass
+class TuningConfig:
+    method: str = "full"  # tuner spec: full, bitfit, pasta, lora(r=8), prefix, adapter, ...
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 5e-5  # peak learning rate
+    weight_decay: float = 0.01  # AdamW decoupled weight decay (not on biases/LayerNorm)
+    warmup_ratio: float = 0.1  # linear warmup over this share of the total steps
+    schedule: str = "linear"  # "linear" (warmup then linear decay) or "constant"
+    max_grad_norm: float | None = 1.0  # gradient clipping (None = off)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+
+
+@dataclass
+class TrainConfig:
+    batch_size: int = 32  # per process
+    grad_accum: int = 1  # gradient accumulation steps
+    epochs: float = 3.0  # may be fractional
+    max_steps: int | None = None  # overrides epochs when set
+    eval_every: int | None = None  # optimizer steps between evaluations (None = per epoch)
+    save_every: int | None = None  # optimizer steps between checkpoints (None = at evals)
+    early_stopping_patience: int | None = None  # evaluations without improvement
+    keep_best: bool = True  # restore the best checkpoint (task metric) at the end
+    mixed_precision: str = "no"  # "no", "bf16", "fp16" (Accelerate)
+    log_every: int = 10  # optimizer steps between metrics.jsonl lines
+
+
+@dataclass
+class EvalConfig:
+    batch_size: int = 64
+
+
+@dataclass
+class ExperimentConfig:
+    name: str = "run"  # run name: results go to <output_dir>/<name>
+    seed: int = 0
+    output_dir: str = "runs"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    plan: list[Any] = field(default_factory=list)  # attention plan rules (see attnlab.Plan)
+    tuning: TuningConfig = field(default_factory=TuningConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir) / self.name
+
+
+def _close(word: str, choices: list[str]) -> str:
+    hits = difflib.get_close_matches(word, choices, n=3, cutoff=0.5)
+    return f" Did you mean {', '.join(repr(h) for h in hits)}?" if hits else ""
+
+
+def _check_type(where: str, tp: Any, val: Any) -> Any:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if val is None and type(None) in args:
+            return None
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _check_type(where, a, val)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{where}: {val!r} is not a valid {tp}")
+    if tp is Any:
+        return val
+    if origin is list:
+        if not isinstance(val, list):
+            raise ConfigError(f"{where} must be a list, got {val!r}")
+        return val
+    if origin is tuple:
+        if not isinstance(val, (list, tuple)) or len(val) != len(args):
+            raise ConfigError(f"{where} must be a list of {len(args)} values, got {val!r}")
+        return tuple(_check_type(where, a, v) for a, v in zip(args, val, strict=True))
+    if tp is float:
+        if isinstance(val, bool) or not isinstance(val, (int, float)):
+            raise ConfigError(f"{where} must be a number, got {val!r}")
+        return float(val)
+    if tp is int:
+        if isinstance(val, bool) or not isinstance(val, int):
+            raise ConfigError(f"{where} must be an integer, got {val!r}")
+        return val
+    if tp is bool:
+        if not isinstance(val, bool):
+            raise ConfigError(f"{where} must be true or false, got {val!r}")
+        return val
+    if tp is str:
+        if isinstance(val, (int, float)) and not isinstance(val, bool):
+            return str(val)
+        if not isinstance(val, str):
+            raise ConfigError(f"{where} must be a string, got {val!r}")
+        return val
+    return val
+
+
+def from_dict(cls: type, data: dict[str, Any], where: str = "") -> Any:
+    """Build dataclass ``cls`` from a mapping, recursively, with clear key/type errors."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where or 'config'} must be a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, val in data.items():
+        path = f"{where}.{key}" if where else key
+        if key not in names:
+            raise ConfigError(f"unknown config key {path!r}.{_close(key, names)} "
+                              f"Known keys here: {', '.join(names)}.")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = from_dict(tp, val or {}, path)
+        else:
+            kwargs[key] = _check_type(path, tp, val)
+    return cls(**kwargs)
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """Dataclass -> plain dict (tuples become lists), for YAML/JSON."""
+    def plain(x):
+        if isinstance(x, tuple):
+            return [plain(v) for v in x]
+        if isinstance(x, list):
+            return [plain(v) for v in x]
+        if isinstance(x, dict):
+            return {k: plain(v) for k, v in x.items()}
+        return x
+
+    return plain(dataclasses.asdict(cfg))
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``key.sub=value`` overrides (value parsed as YAML) to a raw config mapping."""
+    out = yaml.safe_load(yaml.safe_dump(data)) or {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like key.sub=value")
+        key, raw = item.split("=", 1)
+        try:
+            val = yaml.safe_load(raw)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {item!r}: value is not valid YAML ({e})") from None
+        node = out
+        parts = key.strip().split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {p!r} is not a section")
+        node[parts[-1]] = val
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                base: dict[str, Any] | None = None) -> ExperimentConfig:
+    """Read a YAML file (or start from ``base``), apply overrides, validate."""
+    data: dict[str, Any] = dict(base or {})
+    if path is not None:
+        p = Path(path)
+        if not p.exists():
+            raise ConfigError(f"config file {p} not found")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p}: not valid YAML: {e}") from None
+    data = apply_overrides(data, overrides or [])
+    cfg = from_dict(ExperimentConfig, data)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: ExperimentConfig) -> None:
+    """Cross-field checks that types alone can't express."""
+    if cfg.train.batch_size < 1 or cfg.train.grad_accum < 1:
+        raise ConfigError("train.batch_size and train.grad_accum must be >= 1")
+    if not 0 < cfg.task.train_fraction <= 1:
+        raise ConfigError(f"task.train_fraction must be in (0, 1], got {cfg.task.train_fraction}")
+    if cfg.optim.schedule not in ("linear", "constant"):
+        raise ConfigError(f"optim.schedule must be 'linear' or 'constant', "
+                          f"got {cfg.optim.schedule!r}")
+    if cfg.train.mixed_precision not in ("no", "bf16", "fp16"):
+        raise ConfigError("train.mixed_precision must be 'no', 'bf16' or 'fp16'")
+    if cfg.train.max_steps is None and cfg.train.epochs <= 0:
+        raise ConfigError("train.epochs must be > 0 (or set train.max_steps)")
+
+
+def resolved_yaml(cfg: ExperimentConfig) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)

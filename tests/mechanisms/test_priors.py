@@ -1,0 +1,107 @@
+"""realformer: residual scores passed up the stack through ctx.state.
+
+The manual computation uses ``core.reference_attention`` with the previous layers' raw
+scores as the additive bias. Tolerance 1e-6 (the same operations in the same order up to
+float reassociation of the score sum).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnlab
+from attnlab.core import RegistryError, resolve_config
+from attnlab.mechanisms.priors import REALFORMER_STATE_KEY
+
+B, H, D = 2, 3, 8
+TOL = {"atol": 1e-6, "rtol": 1e-6}
+
+
+def build(h=H):
+    return attnlab.build_mechanism("realformer", attnlab.HeadDims(h, D, None)).eval()
+
+
+def rand(n, m=None, seed=0, h=H):
+    g = torch.Generator().manual_seed(seed)
+    m = n if m is None else m
+    return tuple(torch.randn(B, h, x, D, generator=g) for x in (n, m, m))
+
+
+def raw_scores(q, k):
+    return q @ k.transpose(-1, -2) * D**-0.5
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_single_layer_equals_softmax(causal):
+    q, k, v = rand(9)
+    key_mask = torch.arange(9)[None, :] < torch.tensor([9, 4])[:, None]
+    res = build()(q, k, v, attnlab.AttnContext(key_mask=key_mask, causal=causal, state={},
+                                               need_weights=True))
+    ref, pref = attnlab.reference_attention(q, k, v, key_mask=key_mask, causal=causal)
+    torch.testing.assert_close(res.out, ref, **TOL)
+    torch.testing.assert_close(res.probs, pref, **TOL)
+
+
+def test_state_none_is_plain_softmax():
+    q, k, v = rand(7)
+    out = build()(q, k, v, attnlab.AttnContext(state=None)).out
+    torch.testing.assert_close(out, attnlab.reference_attention(q, k, v)[0], **TOL)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_three_stacked_layers_equal_manual_computation(causal):
+    layers = [build() for _ in range(3)]
+    key_mask = torch.arange(11)[None, :] < torch.tensor([11, 6])[:, None]
+    state: dict = {}
+    inputs = [rand(11, seed=s) for s in range(3)]
+    outs = []
+    for idx, (mech, (q, k, v)) in enumerate(zip(layers, inputs, strict=True)):
+        c = attnlab.AttnContext(key_mask=key_mask, causal=causal, layer_idx=idx * 2,
+                                state=state)
+        outs.append(mech(q, k, v, c).out)
+    s0 = raw_scores(*inputs[0][:2])
+    s1 = raw_scores(*inputs[1][:2]) + s0  # layer 1's scores are themselves residual
+    for out, (q, k, v), prev in zip(outs[1:], inputs[1:], (s0, s1), strict=True):
+        ref, _ = attnlab.reference_attention(q, k, v, bias=prev, key_mask=key_mask,
+                                             causal=causal)
+        torch.testing.assert_close(out, ref, **TOL)
+    # the stored entry is the last layer's raw (un-masked, finite) score sum
+    entry = state[REALFORMER_STATE_KEY]
+    assert entry.layer_idx == 4 and torch.isfinite(entry.scores).all()
+    torch.testing.assert_close(entry.scores, raw_scores(*inputs[2][:2]) + s1, **TOL)
+
+
+def test_gradients_flow_through_the_residual():
+    (q0, k0, v0), (q1, k1, v1) = rand(6, seed=0), rand(6, seed=1)
+    q0.requires_grad_()
+    state: dict = {}
+    build()(q0, k0, v0, attnlab.AttnContext(layer_idx=0, state=state))
+    out = build()(q1, k1, v1, attnlab.AttnContext(layer_idx=1, state=state)).out
+    (g,) = torch.autograd.grad(out.square().sum(), q0)
+    assert g.abs().sum() > 0  # layer 1's output depends on layer 0's queries only via S_0
+
+
+def test_shape_mismatch_between_layers_is_a_clear_error():
+    state: dict = {}
+    build(h=3)(*rand(5, h=3), attnlab.AttnContext(layer_idx=0, state=state))
+    with pytest.raises(ValueError, match=r"layer 1 has scores of shape.*layer 0 passed up"):
+        build(h=2)(*rand(5, h=2), attnlab.AttnContext(layer_idx=1, state=state))
+    with pytest.raises(ValueError, match="same heads and lengths"):
+        build()(*rand(6), attnlab.AttnContext(layer_idx=1, state=state))
+
+
+def test_reused_state_is_a_clear_error():
+    state: dict = {}
+    mech = build()
+    mech(*rand(5), attnlab.AttnContext(layer_idx=2, state=state))
+    with pytest.raises(ValueError, match="fresh dict for each forward pass"):
+        mech(*rand(5), attnlab.AttnContext(layer_idx=2, state=state))
+
+
+def test_caps_and_spec():
+    caps = attnlab.core.mechanism_class("realformer").caps
+    assert (caps.family, caps.exact, caps.scope) == ("priors", False, "layer")
+    assert resolve_config("realformer") == resolve_config("realformer()")
+    with pytest.raises(RegistryError, match="unknown key"):
+        resolve_config("realformer(alpha=1)")
