@@ -122,6 +122,11 @@ def _check_type(where: str, tp: Any, val: Any) -> Any:
             raise ConfigError(f"{where} must be a list of {len(args)} values, got {val!r}")
         return tuple(_check_type(where, a, v) for a, v in zip(args, val, strict=True))
     if tp is float:
+        if isinstance(val, str):  # YAML 1.1 reads 5e-5 (no dot) as a string
+            try:
+                val = float(val)
+            except ValueError:
+                raise ConfigError(f"{where} must be a number, got {val!r}") from None
         if isinstance(val, bool) or not isinstance(val, (int, float)):
             raise ConfigError(f"{where} must be a number, got {val!r}")
         return float(val)

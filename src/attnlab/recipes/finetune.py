@@ -1,0 +1,204 @@
+"""``attnlab run``: fine-tune (or train from scratch) one config on one task, top to bottom.
+
+1. resolve the config and make ``runs/<name>/`` (config.yaml, plan.json);
+2. load the task's train and eval splits (seeded subset if asked);
+3. build the model with the task's head (embedded MiniLM, a path, or ``scratch:SIZE``);
+4. apply the attention plan, then the tuner;
+5. train with ``train.loop.fit`` (Accelerate), evaluating on the dev split;
+6. write ``summary.json`` (metrics, parameters trained, time per step, peak memory) and
+   the model (``model/`` with plan.json, or only the tuned weights for adapters/peft).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import resource
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..config import ExperimentConfig, resolved_yaml
+from ..train.checkpoint import write_json_atomic
+from ..train.loop import LoopParts, fit
+
+AUTO_CLASSES = {
+    "sequence-classification": "AutoModelForSequenceClassification",
+    "token-classification": "AutoModelForTokenClassification",
+    "question-answering": "AutoModelForQuestionAnswering",
+    "masked-lm": "AutoModelForMaskedLM",
+}
+
+
+def task_kind(task) -> str:
+    """Input layout for tuners: single / pair / ner / qa / other."""
+    if task.head == "token-classification":
+        return "ner"
+    if task.head == "question-answering":
+        return "qa"
+    if task.head == "sequence-classification":
+        return "pair" if len(getattr(task, "text_columns", ())) > 1 else "single"
+    return "other"
+
+
+def build_model(cfg: ExperimentConfig, task) -> tuple[torch.nn.Module, Any]:
+    """(model with the task's head, tokenizer) from ``cfg.model``; heads are new (random)."""
+    import transformers
+
+    from ..models import encoder_config, load_default_model
+
+    name, head = cfg.model.name, task.head
+    id2label = dict(enumerate(task.label_names)) if task.label_names else None
+    num_labels = max(task.num_labels, 1)
+    if name == "default":
+        model, tok = load_default_model(head, num_labels=num_labels, id2label=id2label,
+                                        attn_implementation=cfg.model.attn_implementation)
+    elif name.startswith("scratch:"):
+        _, tok = load_default_model("base")
+        config = encoder_config(name.split(":", 1)[1], num_labels=num_labels)
+        if id2label:
+            config.id2label, config.label2id = id2label, {v: k for k, v in id2label.items()}
+        auto = getattr(transformers, AUTO_CLASSES[head])
+        model = auto.from_config(config, attn_implementation=cfg.model.attn_implementation)
+    else:
+        auto = getattr(transformers, AUTO_CLASSES[head])
+        kw = {"num_labels": num_labels} if head != "question-answering" else {}
+        model = auto.from_pretrained(name, attn_implementation=cfg.model.attn_implementation,
+                                     **kw)
+        tok = transformers.AutoTokenizer.from_pretrained(name)
+    if head == "sequence-classification":
+        model.config.problem_type = task.problem_type
+    if cfg.model.dropout is not None:
+        for attr in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
+            if hasattr(model.config, attr):
+                setattr(model.config, attr, cfg.model.dropout)
+        for mod in model.modules():
+            if isinstance(mod, torch.nn.Dropout):
+                mod.p = cfg.model.dropout
+    return model, tok
+
+
+def subset(examples: list, fraction: float, limit: int | None, seed: int) -> list:
+    """Seeded fraction of ``examples`` (order kept), then the first ``limit``."""
+    if fraction < 1.0:
+        keep = sorted(random.Random(seed).sample(range(len(examples)),
+                                                 max(1, round(fraction * len(examples)))))
+        examples = [examples[i] for i in keep]
+    return examples[:limit] if limit is not None else examples
+
+
+def make_evaluator(task, splits: dict[str, tuple[list, list]], collate, batch_size: int):
+    """evaluate(model) -> metrics; with several eval splits, names get a ``split/`` prefix."""
+
+    def evaluate(model: torch.nn.Module) -> dict[str, float]:
+        device = next(model.parameters()).device
+        result: dict[str, float] = {}
+        for split, (examples, features) in splits.items():
+            preds: list = []
+            for i in range(0, len(features), batch_size):
+                batch = collate(features[i : i + batch_size])
+                batch = {k: v.to(device) for k, v in batch.items()}
+                preds += task.batch_predictions(model(**batch), batch)
+            metrics = task.compute_metrics(preds, features, examples)
+            if len(splits) == 1:
+                result.update(metrics)
+            else:
+                result.update({f"{split}/{k}": v for k, v in metrics.items()})
+        return result
+
+    return evaluate
+
+
+def run_experiment(cfg: ExperimentConfig, resume: bool = False,
+                   stop_after: int | None = None) -> dict[str, Any]:
+    """Train and evaluate ``cfg``; returns (and writes) the run summary."""
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
+    from ..hf.plan import Plan
+    from ..hf.surgery import apply_plan
+    from ..tasks import get_task
+    from ..tuning.accounting import count_parameters
+    from ..tuning.base import TaskInfo, resolve_tuning
+
+    accelerator = Accelerator(mixed_precision=cfg.train.mixed_precision,
+                              cpu=not torch.cuda.is_available())
+    run_dir = cfg.run_dir
+    if accelerator.is_main_process:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(resolved_yaml(cfg))
+    set_seed(cfg.seed)
+
+    task = get_task(cfg.task.name)
+    data_dir = cfg.task.data_dir
+    train_ex = subset(task.load(task.train_split, data_dir), cfg.task.train_fraction,
+                      cfg.task.train_limit, cfg.seed)
+    eval_splits = task.eval_splits if cfg.task.eval_split == "dev" else (cfg.task.eval_split,)
+    eval_ex = {s: task.load(s, data_dir)[: cfg.task.eval_limit] for s in eval_splits}
+
+    set_seed(cfg.seed)  # model init (new heads) depends only on the seed
+    model, tok = build_model(cfg, task)
+    plan = Plan.parse(cfg.plan) if cfg.plan else None
+    report = apply_plan(model, plan) if plan is not None else None
+    tuner, tcfg = resolve_tuning(cfg.tuning.method)
+    model = tuner.apply(model, tcfg, task=TaskInfo.from_tokenizer(tok, task_kind(task)))
+    params = count_parameters(model, tuner)
+    if accelerator.is_main_process:
+        write_json_atomic(run_dir / "plan.json", plan.to_json() if plan else [])
+
+    max_len = cfg.model.max_length
+    train_feats = task.encode(train_ex, tok, max_len)
+    collate = task.collator(tok, seed=cfg.seed)
+    splits = {s: (ex, task.encode(ex, tok, max_len)) for s, ex in eval_ex.items()}
+    main_metric = task.main_metric if len(splits) == 1 else f"{eval_splits[0]}/{task.main_metric}"
+
+    def aux(m):
+        from ..hf.backend import aux_loss
+
+        extra = [x for x in (aux_loss(m), getattr(tuner, "aux_loss", lambda _: None)(m))
+                 if x is not None]
+        return sum(extra) if extra else None
+
+    parts = LoopParts(model=model, train_features=train_feats, collate=collate,
+                      evaluate=make_evaluator(task, splits, collate, cfg.eval.batch_size),
+                      main_metric=main_metric, greater_is_better=task.greater_is_better,
+                      aux_loss=aux)
+    state = fit(cfg, parts, accelerator, run_dir, resume=resume, stop_after=stop_after)
+    best = next((e["eval"] for e in state.evals if e["step"] == state.best_step), {})
+    summary = {
+        "name": cfg.name,
+        "task": task.name,
+        "seed": cfg.seed,
+        "plan": plan.to_json() if plan else [],
+        "tuning": tcfg.spec() if hasattr(tcfg, "spec") else cfg.tuning.method,
+        "main_metric": main_metric,
+        "best_metric": state.best_metric,
+        "best_step": state.best_step,
+        "best_eval": best,
+        "final_eval": state.evals[-1]["eval"] if state.evals else {},
+        "steps": state.step,
+        "train_examples": len(train_feats),
+        "train_seconds": state.train_seconds,
+        "seconds_per_step": state.train_seconds / max(state.step, 1),
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "params": params,
+        "surgery": report.to_dict() if report is not None else None,
+        "interrupted": stop_after is not None and state.step >= stop_after,
+    }
+    if accelerator.is_main_process:
+        write_json_atomic(run_dir / "summary.json", summary)
+        _export(accelerator.unwrap_model(parts.model), tok, tuner, run_dir)
+    accelerator.wait_for_everyone()
+    return summary
+
+
+def _export(model, tok, tuner, run_dir: Path) -> None:
+    """Save the trained model: tuned weights only for partial tuners, else a full export."""
+    from ..tuning.base import save_tuned
+
+    save_tuned(model, tuner, run_dir / "tuned.safetensors")
+
+
+def read_summary(run_dir: str | Path) -> dict[str, Any]:
+    return json.loads((Path(run_dir) / "summary.json").read_text())

@@ -1,0 +1,77 @@
+"""Atomic, resumable checkpoints.
+
+A checkpoint is a folder ``<run>/checkpoints/step-<N>/`` written by Accelerate's
+``save_state`` (model weights as safetensors, optimizer, scheduler and every RNG state)
+plus ``trainer_state.json`` (step, epoch, position in the epoch, best metric, history).
+It is written into a temporary sibling folder and renamed into place, so an interrupted
+save never leaves a half-written checkpoint that ``--resume`` would pick up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+STATE_FILE = "trainer_state.json"
+
+
+@dataclass
+class TrainerState:
+    """Where training stands; enough to continue exactly."""
+
+    step: int = 0  # optimizer steps done
+    epoch: int = 0  # current epoch (0-based)
+    batch_in_epoch: int = 0  # micro-batches of this epoch already consumed
+    best_metric: float | None = None
+    best_step: int | None = None
+    evals_without_improvement: int = 0
+    train_seconds: float = 0.0
+    evals: list[dict[str, Any]] = field(default_factory=list)
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """JSON to ``path`` via a temporary file and rename (never half-written)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2, default=float))
+    os.replace(tmp, path)
+
+
+def checkpoint_dir(run_dir: Path, step: int) -> Path:
+    return run_dir / "checkpoints" / f"step-{step:08d}"
+
+
+def save_checkpoint(accelerator, run_dir: Path, state: TrainerState, keep: int = 1) -> Path:
+    """Save model/optimizer/scheduler/RNG + trainer state atomically; keep the newest ``keep``."""
+    final = checkpoint_dir(run_dir, state.step)
+    tmp = final.with_name(f".{final.name}.tmp")
+    if accelerator.is_main_process and tmp.exists():
+        shutil.rmtree(tmp)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp), safe_serialization=True)
+    if accelerator.is_main_process:
+        write_json_atomic(tmp / STATE_FILE, asdict(state))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        for old in list_checkpoints(run_dir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints (those with a trainer state), oldest first."""
+    root = run_dir / "checkpoints"
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.glob("step-*") if (p / STATE_FILE).is_file())
+
+
+def load_checkpoint(accelerator, path: Path) -> TrainerState:
+    """Restore model/optimizer/scheduler/RNG from ``path``; return its trainer state."""
+    accelerator.load_state(str(path))
+    return TrainerState(**json.loads((path / STATE_FILE).read_text()))
