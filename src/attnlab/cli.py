@@ -83,6 +83,150 @@ def demo(
     console.print(table)
 
 
+Overrides = Annotated[
+    list[str] | None, typer.Argument(help="Config overrides key.sub=value (YAML values).")
+]
+
+
+def _load(config: str | None, overrides: list[str] | None):
+    from .config import ConfigError, load_config
+
+    try:
+        return load_config(config, overrides or [])
+    except ConfigError as e:
+        _fail(str(e))
+
+
+@app.command()
+def validate(config: str, overrides: Overrides = None) -> None:
+    """Check a config (keys, types, plan, tuner) without running it; print it resolved."""
+    from .config import resolved_yaml
+    from .core import RegistryError
+    from .hf.plan import Plan
+    from .tasks import get_task
+    from .tuning import resolve_tuning
+
+    cfg = _load(config, overrides)
+    try:
+        get_task(cfg.task.name)
+        Plan.parse(cfg.plan) if cfg.plan else None
+        resolve_tuning(cfg.tuning.method)
+    except (RegistryError, ValueError) as e:
+        _fail(str(e))
+    console.print(resolved_yaml(cfg), markup=False)
+    console.print("[green]config is valid[/]")
+
+
+@app.command()
+def run(
+    config: Annotated[str | None, typer.Argument(help="YAML config (see configs/).")] = None,
+    overrides: Overrides = None,
+    resume: Annotated[bool, typer.Option(help="Continue from the last checkpoint.")] = False,
+) -> None:
+    """Train and evaluate one config; writes runs/<name>/ (summary.json, metrics.jsonl, ...)."""
+    from .recipes.finetune import run_experiment
+
+    cfg = _load(config, overrides)
+    summary = run_experiment(cfg, resume=resume)
+    table = Table(title=f"{cfg.name}: {summary['task']} ({summary['tuning']})")
+    for col in ("metric", "best", "at step", "steps", "s/step", "trained params"):
+        table.add_column(col)
+    p = summary["params"]
+    table.add_row(summary["main_metric"], f"{summary['best_metric']:.4f}",
+                  str(summary["best_step"]), str(summary["steps"]),
+                  f"{summary['seconds_per_step']:.3f}",
+                  f"{p['trainable_without_head']:,} ({p['percent_of_backbone']:.3f}%)")
+    console.print(table)
+    console.print(f"best dev metrics: {json.dumps(summary['best_eval'])}")
+    console.print(f"run directory: {cfg.run_dir}")
+
+
+@app.command("eval")
+def eval_run(
+    run_dir: str,
+    data_dir: Annotated[str | None, typer.Option(help="Override the task data dir.")] = None,
+) -> None:
+    """Re-evaluate a finished run from its config, plan and tuned weights."""
+    from .recipes.finetune import evaluate_run
+
+    try:
+        metrics = evaluate_run(run_dir, data_dir)
+    except FileNotFoundError as e:
+        _fail(str(e))
+    typer.echo(json.dumps(metrics, indent=2))
+
+
+@app.command()
+def compare(
+    config: Annotated[str | None, typer.Argument(help="Base YAML config.")] = None,
+    overrides: Overrides = None,
+    vary: Annotated[list[str] | None, typer.Option(
+        help="key=v1,v2 (repeatable); plan values are named plans or LAYERS:HEADS:SPEC rules."
+    )] = None,
+    seeds: Annotated[int, typer.Option(help="Seeds per variant (0..N-1).")] = 3,
+    resume: Annotated[bool, typer.Option(help="Skip variants x seeds already finished.")] = False,
+) -> None:
+    """Run variants over seeds; print and save a table (Markdown, CSV) and a bar plot."""
+    from .config import ConfigError
+    from .recipes.compare import parse_vary, run_compare, to_markdown
+    from .recipes.finetune import run_experiment
+
+    cfg = _load(config, overrides)
+    try:
+        rows, out = run_compare(cfg, parse_vary(vary or []), seeds, run_experiment,
+                                resume=resume)
+    except ConfigError as e:
+        _fail(str(e))
+    console.print(to_markdown(rows), markup=False)
+    console.print(f"saved {out}/comparison.md, comparison.csv, comparison.png")
+
+
+@app.command()
+def params(
+    model_config: Annotated[str, typer.Option(help="bert-base, bert-large, roberta-base, "
+                                                   "roberta-large, minilm")] = "bert-large",
+    tuning: Annotated[str, typer.Option(help="Tuner spec, e.g. pasta, lora(r=8).")] = "pasta",
+    task_type: Annotated[str, typer.Option(help="single, pair or ner")] = "single",
+) -> None:
+    """Trainable-parameter accounting of a tuner on a published architecture (no download)."""
+    from .tuning.accounting import format_params, params_report
+
+    try:
+        report = params_report(model_config, tuning, task_type)
+    except (ValueError, KeyError) as e:
+        _fail(str(e))
+    typer.echo(format_params(report))
+
+
+@bench_app.command("sparse")
+def bench_sparse(
+    ns: Annotated[str, typer.Option(help="Comma-separated lengths.")] = "1024,2048,4096,8192",
+    window: int = 128,
+    mechanism: str = "band",
+    repeats: int = 3,
+) -> None:
+    """Band (or another sparse pattern) vs dense SDPA: time fwd / fwd+bwd, peak memory."""
+    from .bench.speed import bench_sparse as run_bench
+    from .bench.speed import format_markdown
+
+    rows = run_bench(ns=tuple(int(x) for x in ns.split(",")), window=window,
+                     mechanism=mechanism, repeats=repeats)
+    console.print(format_markdown(rows), markup=False)
+
+
+@bench_app.command("jat")
+def bench_jat(
+    lengths: Annotated[str, typer.Option(help="Comma-separated lengths.")] = "128,256,512,1024",
+    batch: int = 8,
+) -> None:
+    """One layer of 6 JAT heads: efficient vs the official L^3 form, time and peak memory."""
+    from .bench.jat import bench_jat as run_bench
+    from .bench.jat import format_markdown
+
+    rows = run_bench(lengths=tuple(int(x) for x in lengths.split(",")), batch=batch)
+    console.print(format_markdown(rows), markup=False)
+
+
 def main() -> None:  # pragma: no cover
     app()
 

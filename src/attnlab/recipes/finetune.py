@@ -202,3 +202,35 @@ def _export(model, tok, tuner, run_dir: Path) -> None:
 
 def read_summary(run_dir: str | Path) -> dict[str, Any]:
     return json.loads((Path(run_dir) / "summary.json").read_text())
+
+
+def evaluate_run(run_dir: str | Path, data_dir: str | None = None) -> dict[str, float]:
+    """Rebuild a finished run from its config, plan and tuned weights; evaluate on dev."""
+    from ..config import load_config
+    from ..hf.plan import Plan
+    from ..hf.surgery import apply_plan
+    from ..tasks import get_task
+    from ..tuning.base import TaskInfo, load_tuned_file, resolve_tuning
+
+    run_dir = Path(run_dir)
+    weights = run_dir / "tuned.safetensors"
+    if not weights.exists():
+        raise FileNotFoundError(f"{weights} not found: is {run_dir} a finished attnlab run?")
+    cfg = load_config(run_dir / "config.yaml")
+    task = get_task(cfg.task.name)
+    model, tok = build_model(cfg, task)
+    if cfg.plan:
+        apply_plan(model, Plan.parse(cfg.plan))
+    tuner, tcfg = resolve_tuning(cfg.tuning.method)
+    model = tuner.apply(model, tcfg, task=TaskInfo.from_tokenizer(tok, task_kind(task)))
+    load_tuned_file(model, tuner, weights)
+    model.eval()
+    d = data_dir if data_dir is not None else cfg.task.data_dir
+    eval_splits = task.eval_splits if cfg.task.eval_split == "dev" else (cfg.task.eval_split,)
+    splits = {}
+    for s in eval_splits:
+        ex = task.load(s, d)[: cfg.task.eval_limit]
+        splits[s] = (ex, task.encode(ex, tok, cfg.model.max_length))
+    evaluate = make_evaluator(task, splits, task.collator(tok, seed=cfg.seed), cfg.eval.batch_size)
+    with torch.no_grad():
+        return evaluate(model)

@@ -1,0 +1,206 @@
+"""``attnlab compare``: run variants of one config over seeds, then one table and one plot.
+
+``--vary plan=baseline,band64 --vary tuning.method=full,pasta --seeds 3`` runs the
+cartesian product of the values, each over seeds 0..2, into
+``<output_dir>/<name>/<variant>/seed-<s>/``, and writes ``comparison.{md,csv,png}`` beside
+them: main metric mean ± std over seeds, parameters trained (with the % of the
+backbone), train time per step and peak memory.
+
+Values of ``plan`` are named plans (``NAMED_PLANS``; ``baseline`` = no change) or compact
+rules ``LAYERS:HEADS:SPEC`` joined by ';'. Values of other keys are YAML scalars.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import itertools
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..config import ConfigError, ExperimentConfig, apply_overrides, from_dict, to_dict, validate
+
+NAMED_PLANS: dict[str, list[str]] = {
+    "baseline": [],
+    "band16": ["all:all:band(window=16)"],
+    "band32": ["all:all:band(window=32)"],
+    "band64": ["all:all:band(window=64)"],
+    "longformer32": ["all:all:longformer(window=32, global_tokens=[0])"],
+    "bigbird": ["all:all:bigbird(block=16, window_blocks=3, num_random_blocks=1)"],
+    "linear": ["all:all:linear_elu"],
+    "linformer64": ["all:all:linformer(k=64)"],
+    # BERT-JAT scaled to the 6-layer MiniLM: layers {1,2,3,8,9,10} of 12 -> {0,1,4,5} of 6,
+    # JAT on the even heads (6 of 12), the paper's rho=5 and coef=0.5 (docs/results.md).
+    "jat": ["0,1,4,5:0,2,4,6,8,10:jat(rho=5.0, coef=0.5)"],
+}
+
+
+def plan_value(value: str) -> list[str]:
+    """A named plan or ';'-joined compact rules."""
+    if value in NAMED_PLANS:
+        return NAMED_PLANS[value]
+    if ":" in value:
+        return [r for r in value.split(";") if r.strip()]
+    raise ConfigError(f"unknown plan {value!r}: use one of {', '.join(NAMED_PLANS)} or rules "
+                      "like '0-2:all:band(window=8)'")
+
+
+def parse_vary(items: list[str]) -> list[tuple[str, list[str]]]:
+    """``["plan=a,b", "optim.lr=1e-4,3e-4"]`` -> [("plan", ["a", "b"]), ...]."""
+    out = []
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"--vary {item!r} must look like key=value1,value2")
+        key, vals = item.split("=", 1)
+        values = [v.strip() for v in _split_commas(vals) if v.strip()]
+        if not values:
+            raise ConfigError(f"--vary {item!r} lists no values")
+        out.append((key.strip(), values))
+    return out
+
+
+def _split_commas(text: str) -> list[str]:
+    """Split on commas outside brackets (rules contain 'band(window=8, ...)')."""
+    parts, depth, cur = [], 0, ""
+    for ch in text:
+        depth += ch in "([{"
+        depth -= ch in ")]}"
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    return parts + [cur]
+
+
+@dataclass
+class Variant:
+    label: str
+    cfg: ExperimentConfig
+
+
+def expand(base: ExperimentConfig, vary: list[tuple[str, list[str]]], seeds: int
+           ) -> list[tuple[str, list[ExperimentConfig]]]:
+    """One (label, [config per seed]) per combination of varied values."""
+    combos = list(itertools.product(*[vals for _, vals in vary])) if vary else [()]
+    out = []
+    for combo in combos:
+        data = to_dict(base)
+        label_parts = []
+        for (key, _), value in zip(vary, combo, strict=True):
+            if key == "plan":
+                data["plan"] = plan_value(value)
+            else:
+                data = apply_overrides(data, [f"{key}={value}"])
+            label_parts.append(value if len(vary) == 1 else f"{key.split('.')[-1]}={value}")
+        label = ",".join(label_parts) or "base"
+        slug = "".join(c if c.isalnum() or c in "-_.=" else "_" for c in label)[:80]
+        cfg = from_dict(ExperimentConfig, data)
+        validate(cfg)
+        root = Path(base.output_dir) / base.name / slug
+        runs = [replace(cfg, seed=s, name=f"seed-{s}", output_dir=str(root)) for s in range(seeds)]
+        out.append((label, runs))
+    return out
+
+
+def mean_std(values: list[float]) -> tuple[float, float]:
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return float("nan"), float("nan")
+    return statistics.fmean(vals), (statistics.stdev(vals) if len(vals) > 1 else 0.0)
+
+
+def summarise(label: str, summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    metric = summaries[0]["main_metric"]
+    m, s = mean_std([x["best_metric"] for x in summaries])
+    p = summaries[0]["params"]
+    return {
+        "variant": label,
+        "metric": metric,
+        "mean": m,
+        "std": s,
+        "seeds": len(summaries),
+        "values": [x["best_metric"] for x in summaries],
+        "trainable_params": p["trainable_total"],
+        "trainable_without_head": p["trainable_without_head"],
+        "percent_of_backbone": p["percent_of_backbone"],
+        "sec_per_step": statistics.fmean(x["seconds_per_step"] for x in summaries),
+        "peak_rss_mb": max(x["peak_rss_mb"] for x in summaries),
+    }
+
+
+def to_markdown(rows: list[dict[str, Any]]) -> str:
+    lines = ["| variant | metric | mean ± std | seeds | trained params (% backbone) | "
+             "s/step | peak RSS MB |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(
+            f"| {r['variant']} | {r['metric']} | {r['mean']:.4f} ± {r['std']:.4f} | "
+            f"{r['seeds']} | {r['trainable_without_head']:,} ({r['percent_of_backbone']:.3f}%) | "
+            f"{r['sec_per_step']:.3f} | {r['peak_rss_mb']:.0f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def to_csv(rows: list[dict[str, Any]]) -> str:
+    buf = io.StringIO()
+    keys = [k for k in rows[0] if k != "values"] + ["values"]
+    w = csv.DictWriter(buf, fieldnames=keys)
+    w.writeheader()
+    for r in rows:
+        w.writerow({**r, "values": yaml.safe_dump(r["values"], default_flow_style=True).strip()})
+    return buf.getvalue()
+
+
+def bar_plot(rows: list[dict[str, Any]]):
+    """Mean ± std of the main metric per variant (a matplotlib figure)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(4, 1.2 * len(rows) + 2), 3.5))
+    xs = range(len(rows))
+    ax.bar(xs, [r["mean"] for r in rows], yerr=[r["std"] for r in rows], capsize=4,
+           color="#4C72B0")
+    ax.set_xticks(list(xs), [r["variant"] for r in rows], rotation=20, ha="right")
+    ax.set_ylabel(rows[0]["metric"])
+    ax.set_title("mean ± std over seeds")
+    fig.tight_layout()
+    return fig
+
+
+def run_compare(base: ExperimentConfig, vary: list[tuple[str, list[str]]], seeds: int,
+                run: Callable[[ExperimentConfig], dict[str, Any]], resume: bool = False
+                ) -> tuple[list[dict[str, Any]], Path]:
+    """Run every variant x seed (skipping finished runs when ``resume``); write the table."""
+    from ..train.checkpoint import write_json_atomic
+
+    rows = []
+    for label, cfgs in expand(base, vary, seeds):
+        summaries = []
+        for cfg in cfgs:
+            done = cfg.run_dir / "summary.json"
+            if resume and done.exists():
+                import json
+
+                s = json.loads(done.read_text())
+                if not s.get("interrupted"):
+                    summaries.append(s)
+                    continue
+            summaries.append(run(cfg))
+        rows.append(summarise(label, summaries))
+    out = Path(base.output_dir) / base.name
+    out.mkdir(parents=True, exist_ok=True)
+    for name, text in (("comparison.md", to_markdown(rows)), ("comparison.csv", to_csv(rows))):
+        tmp = out / f".{name}.tmp"
+        tmp.write_text(text)
+        tmp.replace(out / name)
+    write_json_atomic(out / "comparison.json", rows)
+    fig = bar_plot(rows)
+    fig.savefig(out / "comparison.png", dpi=120)
+    return rows, out

@@ -1,0 +1,79 @@
+"""The command line: ls, validate, compare (tiny), params, errors."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from attnlab.cli import app
+
+runner = CliRunner()
+
+
+def test_ls_json_lists_every_mechanism():
+    import attnlab
+
+    res = runner.invoke(app, ["ls", "--json"])
+    assert res.exit_code == 0, res.output
+    rows = json.loads(res.output)
+    assert [r["name"] for r in rows] == attnlab.list_mechanisms()
+    assert all(r["paper"] and r["complexity"] for r in rows)
+
+
+def test_ls_table_and_markdown():
+    res = runner.invoke(app, ["ls"])
+    assert res.exit_code == 0 and "softmax" in res.output
+    md = runner.invoke(app, ["ls", "--markdown"])
+    assert md.output.startswith("# Mechanism catalogue")
+
+
+def test_docs_catalogue_is_up_to_date():
+    from pathlib import Path
+
+    from attnlab.catalogue import catalogue_markdown
+
+    path = Path(__file__).resolve().parents[1] / "docs" / "mechanisms.md"
+    assert path.read_text() == catalogue_markdown(), (
+        "docs/mechanisms.md is stale: run `attnlab ls --markdown > docs/mechanisms.md`"
+    )
+
+
+def test_validate_reports_bad_key(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("task: {name: cola}\ntrain: {batch_sise: 3}\n")
+    res = runner.invoke(app, ["validate", str(p)])
+    assert res.exit_code == 2 and "batch_size" in res.output
+
+
+def test_validate_reports_unknown_mechanism_in_plan(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("task: {name: cola}\nplan: ['all:all:bnad(window=3)']\n")
+    res = runner.invoke(app, ["validate", str(p)])
+    assert res.exit_code == 2 and "band" in res.output
+
+
+@pytest.mark.parametrize("cfg", ["configs/glue/cola.yaml", "configs/conll2003.yaml",
+                                 "configs/squad.yaml", "configs/quickstart.yaml"])
+def test_shipped_configs_validate(cfg):
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / cfg
+    res = runner.invoke(app, ["validate", str(path)])
+    assert res.exit_code == 0, res.output
+
+
+def test_compare_tiny(tmp_path):
+    res = runner.invoke(app, [
+        "compare", "name=cmp", f"output_dir={tmp_path}", "task.data_dir=builtin",
+        "model.name=scratch:tiny", "model.max_length=16", "train.max_steps=2",
+        "train.batch_size=4", "task.train_limit=16", "task.eval_limit=8",
+        "--vary", "plan=baseline,0-1:all:band(window=2)", "--seeds", "2",
+    ])
+    assert res.exit_code == 0, res.output
+    out = tmp_path / "cmp"
+    for name in ("comparison.md", "comparison.csv", "comparison.png", "comparison.json"):
+        assert (out / name).is_file()
+    rows = json.loads((out / "comparison.json").read_text())
+    assert [r["variant"] for r in rows] == ["baseline", "0-1:all:band(window=2)"]
+    assert all(r["seeds"] == 2 and len(r["values"]) == 2 for r in rows)
+    assert (out / "baseline" / "seed-1" / "summary.json").is_file()
