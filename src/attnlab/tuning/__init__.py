@@ -1,0 +1,43 @@
+"""Parameter-efficient tuners: which weights of a Hugging Face model train.
+
+``full`` (default), ``pasta``, ``bitfit``, ``adapter``, ``lora`` and ``prefix`` (via peft),
+``diff_prune``. Importing this package registers them all; see ``base`` for the protocol
+and ``accounting`` for parameter counts.
+"""
+
+from . import adapters, bitfit, diff_prune, full, pasta  # noqa: F401  (register tuners)
+from . import peft as _peft  # noqa: F401  (peft itself is imported only when used)
+from .accounting import build_published, count_parameters, format_params, params_report
+from .base import (
+    TUNERS,
+    OptimRecipe,
+    TaskInfo,
+    Tuner,
+    TunerConfig,
+    TuningRecord,
+    get_tuner,
+    list_tuners,
+    load_tuned_file,
+    resolve_tuning,
+    save_tuned,
+    tuning_record,
+)
+
+__all__ = [
+    "TUNERS",
+    "OptimRecipe",
+    "TaskInfo",
+    "Tuner",
+    "TunerConfig",
+    "TuningRecord",
+    "build_published",
+    "count_parameters",
+    "format_params",
+    "get_tuner",
+    "list_tuners",
+    "load_tuned_file",
+    "params_report",
+    "resolve_tuning",
+    "save_tuned",
+    "tuning_record",
+]

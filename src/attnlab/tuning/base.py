@@ -1,0 +1,410 @@
+"""The tuner protocol, the tuner registry, and the helpers every tuner shares.
+
+A *tuner* decides which weights of a Hugging Face model train and which new weights exist
+(PASTA vectors, adapters, LoRA matrices, diff vectors). It is a stateless object with a
+frozen config dataclass, used by the runner in this order::
+
+    tuner, cfg = resolve_tuning("lora(r=8, alpha=16)")      # or "pasta", "full", ...
+    model = tuner.apply(model, cfg, task=TaskInfo.from_tokenizer(tok, "pair"))
+    opt = AdamW(p for _, p in tuner.trainable_parameters(model))
+    loss = out.loss + (tuner.aux_loss(model) or 0)          # diff pruning's L0 penalty
+    tuner.finalize(model)                                   # diff pruning: prune + fix mask
+    save_tuned(model, tuner, "runs/x/tuned.safetensors")    # only the tuned weights
+
+``apply`` may return a different object (peft wraps the model): always keep its result.
+Apply a tuner after any attention plan, on a model that was not tuned before.
+
+The *backbone* is the encoder model without its task head (``model.base_model``: e.g.
+``BertModel``, pooler included); the *head* is every other top-level child of the model
+(``classifier``, ``qa_outputs``). Both are recorded when a tuner is applied, so
+``count_parameters`` divides by the backbone as it was before tuning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import tempfile
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from attnlab.core import Registry, RegistryError, make_config, parse_spec
+
+TaskKind = Literal["single", "pair", "ner", "qa", "other"]
+RECORD_ATTR = "_attnlab_tuning"
+# Families whose tokenizers write a pair as <s> A </s></s> B </s> (two separators between).
+DOUBLE_SEP_FAMILIES = ("roberta", "xlm-roberta", "camembert", "longformer", "mpnet")
+# [CLS], [SEP] in the BERT WordPiece vocabularies (cased and uncased, also ELECTRA, MiniLM).
+BERT_SPECIAL_IDS = (101, 102)
+
+
+# ----------------------------------------------------------------------------- configs
+
+
+@dataclass(frozen=True)
+class OptimRecipe:
+    """Optimiser facts published with a method; the runner uses them unless told otherwise.
+
+    optimizer: "adamw".  lr: peak learning rate.  weight_decay: AdamW decay.
+    schedule: learning-rate schedule ("linear" decays to 0).  warmup_ratio: share of steps
+    warmed up.  max_length: tokenizer truncation length.  batch_size: examples per step.
+    source: where these numbers come from.
+    """
+
+    optimizer: str = "adamw"
+    lr: float = 5e-5
+    weight_decay: float = 0.0
+    schedule: str = "linear"
+    warmup_ratio: float = 0.0
+    max_length: int = 128
+    batch_size: int = 32
+    source: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TunerConfig:
+    """Base of every tuner config: frozen, keyword-only, every field typed and defaulted.
+
+    Subclasses set the class-level ``name`` (registry key) and may set
+    ``recommended_optim`` (an ``OptimRecipe`` from the method's paper or official scripts).
+    """
+
+    name: ClassVar[str] = ""
+    recommended_optim: ClassVar[OptimRecipe | None] = None
+
+    def spec(self) -> str:
+        """The spec string that rebuilds this config, e.g. ``lora(r=8, alpha=16, ...)``."""
+        parts = []
+        for f in dataclasses.fields(self):
+            val = getattr(self, f.name)
+            parts.append(f"{f.name}={list(val) if isinstance(val, tuple) else val!r}")
+        return f"{self.name}({', '.join(parts)})" if parts else self.name
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-JSON form ``{"name": ..., **fields}`` (tuples become lists)."""
+        out: dict[str, Any] = {"name": self.name}
+        for f in dataclasses.fields(self):
+            val = getattr(self, f.name)
+            out[f.name] = list(val) if isinstance(val, tuple) else val
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskInfo:
+    """What a tuner may need to know about the task's inputs (PASTA does; most do not).
+
+    kind: input layout: "single" sentence, sentence "pair", "ner" (single sentence, token
+      labels), "qa" (question + context: a pair), or "other".
+    special_ids: ids of the boundary tokens the tokenizer inserts ([CLS]/[SEP], <s>/</s>);
+      None: the model family's default.
+    pad_id: padding id (never treated as special); None: ``model.config.pad_token_id``.
+    """
+
+    kind: TaskKind = "other"
+    special_ids: tuple[int, ...] | None = None
+    pad_id: int | None = None
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer: Any, kind: TaskKind) -> TaskInfo:
+        """Boundary ids from a Hugging Face tokenizer (cls/sep, else bos/eos) and its pad id."""
+        ids = {
+            getattr(tokenizer, attr, None)
+            for attr in ("cls_token_id", "sep_token_id", "bos_token_id", "eos_token_id")
+        }
+        pad = getattr(tokenizer, "pad_token_id", None)
+        special = tuple(sorted(i for i in ids if i is not None and i != pad))
+        return cls(kind=kind, special_ids=special or None, pad_id=pad)
+
+
+# ----------------------------------------------------------------------------- protocol
+
+
+@runtime_checkable
+class Tuner(Protocol):
+    """What the runner calls. Implementations are stateless; state lives on the model."""
+
+    name: ClassVar[str]
+    config_cls: ClassVar[type[TunerConfig]]
+
+    def apply(self, model: nn.Module, cfg: TunerConfig, task: TaskInfo | None = None
+              ) -> nn.Module:
+        """Freeze / add parameters; returns the model to use from now on."""
+        ...
+
+    def trainable_parameters(self, model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+        """(name, parameter) pairs the optimizer should update."""
+        ...
+
+    def state_dict_to_save(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Only the tuned weights (head included), detached, ready for safetensors."""
+        ...
+
+    def load_tuned(self, model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+        """Load what ``state_dict_to_save`` wrote into a model this tuner was applied to."""
+        ...
+
+    def aux_loss(self, model: nn.Module) -> torch.Tensor | None:
+        """A regulariser the runner adds to the task loss, or None."""
+        ...
+
+    def finalize(self, model: nn.Module) -> None:
+        """End-of-training step (diff pruning's magnitude pruning); a no-op for most."""
+        ...
+
+
+TUNERS: Registry[Tuner] = Registry("tuner")
+
+
+def register_tuner(config_cls: type[TunerConfig]):
+    """Class decorator: registers one instance of the class under ``config_cls.name``."""
+    if not (dataclasses.is_dataclass(config_cls) and issubclass(config_cls, TunerConfig)):
+        raise TypeError("register_tuner takes a TunerConfig dataclass")
+    if not config_cls.name:
+        raise TypeError(f"{config_cls.__name__} needs a class-level name")
+
+    def deco(cls: type) -> type:
+        cls.name = config_cls.name
+        cls.config_cls = config_cls
+        TUNERS.register(config_cls.name, cls())
+        return cls
+
+    return deco
+
+
+def list_tuners() -> list[str]:
+    """Registered tuner names, sorted."""
+    return TUNERS.names()
+
+
+def get_tuner(name: str) -> Tuner:
+    return TUNERS.get(name)
+
+
+def resolve_tuning(spec: str | Mapping[str, Any] | TunerConfig | None = None
+                   ) -> tuple[Tuner, TunerConfig]:
+    """``"lora(r=8)"``, ``{"name": "lora", "r": 8}``, a config, or None (= ``full``)."""
+    if spec is None:
+        spec = "full"
+    if isinstance(spec, TunerConfig):
+        return get_tuner(spec.name), spec
+    if isinstance(spec, str):
+        try:
+            name, kwargs = parse_spec(spec)
+        except RegistryError as e:  # core's parser speaks of mechanisms
+            raise RegistryError(str(e).replace("mechanism spec", "tuning spec")
+                                .replace("band(window=64)", "lora(r=8)")) from None
+    elif isinstance(spec, Mapping):
+        kwargs = dict(spec)
+        if "name" not in kwargs:
+            raise RegistryError(f"tuning mapping {dict(spec)!r} needs a 'name' key")
+        name = kwargs.pop("name")
+    else:
+        raise TypeError(f"tuning spec must be a string, mapping or config, got {type(spec)}")
+    tuner = get_tuner(name)
+    known = [f.name for f in dataclasses.fields(tuner.config_cls)]
+    for key in kwargs:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=3, cutoff=0.5)
+            hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+            raise RegistryError(f"unknown key {key!r} for tuner {name!r}.{hint} "
+                                f"Known keys: {', '.join(known) or '(none)'}.")
+    return tuner, make_config(tuner.config_cls, kwargs)  # type coercion + __post_init__ checks
+
+
+# ----------------------------------------------------------------------------- model anatomy
+
+
+def backbone_of(model: nn.Module) -> nn.Module:
+    """The encoder model without its task head (``BertModel`` inside a classifier)."""
+    inner = unwrap_peft(model)
+    base = getattr(inner, "base_model", None)
+    if not isinstance(base, nn.Module):
+        raise TypeError(
+            f"tuners work on Hugging Face PreTrainedModels (with .base_model); got "
+            f"{type(model).__name__}"
+        )
+    return base
+
+
+def unwrap_peft(model: nn.Module) -> nn.Module:
+    """The Hugging Face model inside a peft wrapper (the model itself otherwise)."""
+    get_base = getattr(type(model), "get_base_model", None)
+    return model.get_base_model() if callable(get_base) else model
+
+
+def head_prefixes(model: nn.Module) -> tuple[str, ...]:
+    """Names of the top-level children that form the task head (those with parameters)."""
+    inner = unwrap_peft(model)
+    backbone = backbone_of(inner)
+    if backbone is inner:
+        return ()
+    return tuple(
+        name for name, child in inner.named_children()
+        if child is not backbone and any(True for _ in child.parameters())
+    )
+
+
+def _strip_wrappers(name: str) -> str:
+    # peft names: "base_model.model.<hf name>" (LoRA) or "base_model.<hf name>" (prompt learning)
+    for prefix in ("base_model.model.", "base_model."):
+        if name.startswith(prefix):
+            return name[len(prefix):]
+    return name
+
+
+def is_head_name(name: str, prefixes: Iterable[str]) -> bool:
+    plain = _strip_wrappers(name)
+    return any(plain == p or plain.startswith(p + ".") for p in prefixes)
+
+
+def encoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The stack of transformer layers (``encoder.layer`` for BERT/RoBERTa/ELECTRA)."""
+    backbone = backbone_of(model)
+    for path in ("encoder.layer", "transformer.layer", "encoder.layers", "layers"):
+        mod: Any = backbone
+        for part in path.split("."):
+            mod = getattr(mod, part, None)
+        if isinstance(mod, nn.ModuleList) and len(mod) > 0:
+            return mod
+    raise TypeError(
+        f"cannot find the encoder layers of {type(backbone).__name__} (looked for "
+        "encoder.layer, transformer.layer, encoder.layers, layers)"
+    )
+
+
+def model_family(model: nn.Module) -> str:
+    return str(getattr(getattr(unwrap_peft(model), "config", None), "model_type", "") or "")
+
+
+# ----------------------------------------------------------------------------- record
+
+
+@dataclass(frozen=True)
+class TuningRecord:
+    """Facts fixed when a tuner is applied; kept on the model for ``count_parameters``.
+
+    backbone_total: backbone parameters before tuning (the denominator of every percentage).
+    backbone_name: the backbone's class (e.g. ``BertModel``), printed with the denominator.
+    head: names of the head's top-level modules.
+    """
+
+    tuner: str
+    spec: str
+    backbone_total: int
+    backbone_name: str
+    head: tuple[str, ...]
+
+
+def start_tuning(model: nn.Module, cfg: TunerConfig) -> TuningRecord:
+    """Check the model is untuned and measure backbone and head; call before changing it."""
+    if getattr(model, RECORD_ATTR, None) is not None:
+        prev = getattr(model, RECORD_ATTR)
+        raise ValueError(
+            f"this model was already tuned with {prev.spec}; apply one tuner to a fresh model"
+        )
+    backbone = backbone_of(model)
+    return TuningRecord(
+        tuner=cfg.name,
+        spec=cfg.spec(),
+        backbone_total=sum(p.numel() for p in backbone.parameters()),
+        backbone_name=type(backbone).__name__,
+        head=head_prefixes(model),
+    )
+
+
+def finish_tuning(model: nn.Module, record: TuningRecord) -> nn.Module:
+    object.__setattr__(model, RECORD_ATTR, record)  # a plain attribute, not a submodule
+    return model
+
+
+def tuning_record(model: nn.Module) -> TuningRecord | None:
+    return getattr(model, RECORD_ATTR, None)
+
+
+# ----------------------------------------------------------------------------- shared pieces
+
+
+def set_trainable(model: nn.Module, keep: Iterable[str] | None = None, *,
+                  head: bool = True) -> None:
+    """Freeze everything except parameters named in ``keep`` and (if ``head``) the head."""
+    names = set(keep or ())
+    prefixes = head_prefixes(model) if head else ()
+    for name, p in model.named_parameters():
+        p.requires_grad_(name in names or is_head_name(name, prefixes))
+
+
+def requires_grad_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The trainable parameters as detached, contiguous, unshared tensors."""
+    return {n: p.detach().clone().contiguous() for n, p in requires_grad_parameters(model)}
+
+
+def load_exact(model: nn.Module, state: Mapping[str, torch.Tensor],
+               expected: Iterable[str]) -> None:
+    """Copy ``state`` into the model; its keys must be exactly ``expected`` (else: which)."""
+    want, got = set(expected), set(state)
+    if want != got:
+        missing, extra = sorted(want - got), sorted(got - want)
+        raise KeyError(
+            f"tuned state does not match the model: missing {missing[:5]}"
+            f"{' ...' if len(missing) > 5 else ''}, unexpected {extra[:5]}"
+            f"{' ...' if len(extra) > 5 else ''}. Apply the same tuner with the same config "
+            "to the same architecture before loading."
+        )
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    with torch.no_grad():
+        for name, val in state.items():
+            dst = params.get(name, buffers.get(name))
+            if dst is None:
+                raise KeyError(f"{name!r} is neither a parameter nor a buffer of the model")
+            if dst.shape != val.shape:
+                raise ValueError(f"{name}: saved shape {tuple(val.shape)} != model "
+                                 f"{tuple(dst.shape)}")
+            dst.copy_(val)
+
+
+# ----------------------------------------------------------------------------- files
+
+
+def save_tuned(model: nn.Module, tuner: Tuner, path: str | os.PathLike) -> Path:
+    """Write only the tuned weights to a safetensors file, atomically (temp file + rename)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = tuner.state_dict_to_save(model)
+    record = tuning_record(model)
+    meta = {"attnlab_tuner": tuner.name, "attnlab_spec": record.spec if record else ""}
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, tmp,
+                  metadata=meta)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def load_tuned_file(model: nn.Module, tuner: Tuner, path: str | os.PathLike) -> None:
+    """Load a file from ``save_tuned`` into a model the same tuner was applied to."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    with safe_open(str(path), framework="pt") as f:
+        saved = (f.metadata() or {}).get("attnlab_tuner")
+    if saved is not None and saved != tuner.name:
+        raise ValueError(f"{path} holds weights of tuner {saved!r}, not {tuner.name!r}")
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    tuner.load_tuned(model, load_file(str(path), device=str(device)))

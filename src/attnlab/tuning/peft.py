@@ -1,0 +1,196 @@
+"""LoRA and prefix tuning, through the ``peft`` library (not re-implemented).
+
+- LoRA: Hu, Shen, Wallis, Allen-Zhu, Li, Wang, Wang, Chen, "LoRA: Low-Rank Adaptation of
+  Large Language Models", ICLR 2022. W x + (alpha / r) B A x on the targeted projections
+  (peft's default for BERT/RoBERTa: query and value), B initialised to zero.
+- Prefix tuning, deep (every layer), as in P-tuning v2: Liu, Ji, Fu, Tam, Du, Yang, Tang,
+  "P-Tuning v2: Prompt Tuning Can Be Comparable to Fine-tuning Universally Across Scales
+  and Tasks", ACL 2022. Each layer's attention sees num_virtual_tokens trained extra keys
+  and values. Prefix length 20 as in the PASTA paper's re-run.
+
+``peft.get_peft_model`` wraps the model: ``apply`` returns the wrapper (a ``PeftModel``),
+which the runner must use from then on. The peft task type follows the model's head
+(``*ForSequenceClassification`` -> SEQ_CLS, ``*ForTokenClassification`` -> TOKEN_CLS,
+``*ForQuestionAnswering`` -> QUESTION_ANS, a bare encoder -> FEATURE_EXTRACTION); peft then
+keeps the head trainable (``modules_to_save``). Saving and loading use peft's own
+``get_peft_model_state_dict`` / ``set_peft_model_state_dict``.
+
+Checked here (transformers 5.23, peft 0.21.2): prefix tuning runs with BERT and RoBERTa
+under "eager" and "sdpa" attention; a padded batch gives the same logits as each example
+alone (max difference < 1e-8); gradients reach the prefix. As in the original P-tuning v2
+code, Hugging Face BERT shifts position ids by the prefix length when past key/values are
+given. ``PeftModel.disable_adapter()`` fails for prompt learning on non-generative models
+in peft 0.21.2 (it reads ``prepare_inputs_for_generation``); nothing here uses it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+from .base import (
+    TaskInfo,
+    TunerConfig,
+    backbone_of,
+    finish_tuning,
+    register_tuner,
+    requires_grad_parameters,
+    start_tuning,
+    unwrap_peft,
+)
+
+_HEAD_SUFFIX_TO_TASK = {
+    "ForSequenceClassification": "SEQ_CLS",
+    "ForTokenClassification": "TOKEN_CLS",
+    "ForQuestionAnswering": "QUESTION_ANS",
+}
+
+
+def peft_task_type(model: nn.Module) -> str:
+    """The peft ``TaskType`` name for a Hugging Face model's head."""
+    cls = type(unwrap_peft(model)).__name__
+    for suffix, task in _HEAD_SUFFIX_TO_TASK.items():
+        if cls.endswith(suffix):
+            return task
+    if backbone_of(model) is unwrap_peft(model):
+        return "FEATURE_EXTRACTION"
+    raise ValueError(
+        f"no peft task type for {cls}: supported heads are "
+        f"{', '.join('*' + s for s in _HEAD_SUFFIX_TO_TASK)} and bare encoders"
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoraTunerConfig(TunerConfig):
+    """LoRA through peft's ``LoraConfig``."""
+
+    name = "lora"
+    r: int = 8  # r: rank of the update B A
+    alpha: int = 16  # alpha: the update is scaled by alpha / r
+    dropout: float = 0.0  # p of the dropout on the LoRA branch input (peft default)
+    target_modules: tuple[str, ...] | None = None  # modules to adapt; None: peft's (query, value)
+    bias: Literal["none", "all", "lora_only"] = "none"  # which biases also train
+
+    def __post_init__(self) -> None:
+        if self.r < 1:
+            raise ValueError("r must be >= 1")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError("dropout must be in [0, 1)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrefixTunerConfig(TunerConfig):
+    """Deep prefix tuning (P-tuning v2) through peft's ``PrefixTuningConfig``."""
+
+    name = "prefix"
+    num_virtual_tokens: int = 20  # prefix length (PASTA paper's re-run of P-tuning v2: 20)
+    prefix_projection: bool = False  # reparametrise the prefix through a 2-layer MLP
+    encoder_hidden_size: int | None = None  # hidden size of that MLP; None: model hidden size
+
+    def __post_init__(self) -> None:
+        if self.num_virtual_tokens < 1:
+            raise ValueError("num_virtual_tokens must be >= 1")
+
+
+def _wrap(model: nn.Module, peft_config) -> nn.Module:
+    import peft
+
+    with warnings.catch_warnings():  # peft 0.21 calls an API transformers 5 deprecated
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*",
+                                category=FutureWarning)
+        return peft.get_peft_model(model, peft_config)
+
+
+def _peft_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """peft's own adapter state (LoRA matrices or prefix, plus the head's trained copy)."""
+    from peft import get_peft_model_state_dict
+
+    return {k: v.detach().clone().contiguous()
+            for k, v in get_peft_model_state_dict(model).items()}
+
+
+def _peft_load(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    from peft import set_peft_model_state_dict
+
+    expected = set(_peft_state(model))
+    if set(state) != expected:
+        raise KeyError(
+            f"tuned state does not match the peft model: missing "
+            f"{sorted(expected - set(state))[:5]}, unexpected "
+            f"{sorted(set(state) - expected)[:5]}. Apply the same tuner and config first."
+        )
+    result = set_peft_model_state_dict(model, dict(state))
+    # peft loads "prompt_embeddings" into the prompt encoder itself, yet lists it unexpected.
+    unused = [k for k in getattr(result, "unexpected_keys", []) if k != "prompt_embeddings"]
+    if unused:
+        raise KeyError(f"peft did not use {unused[:5]}")
+
+
+@register_tuner(LoraTunerConfig)
+class LoraTuner:
+    """LoRA via ``peft.get_peft_model(model, LoraConfig(...))``."""
+
+    def apply(self, model: nn.Module, cfg: LoraTunerConfig, task: TaskInfo | None = None
+              ) -> nn.Module:
+        from peft import LoraConfig, TaskType
+
+        record = start_tuning(model, cfg)
+        peft_cfg = LoraConfig(
+            task_type=TaskType[peft_task_type(model)], r=cfg.r, lora_alpha=cfg.alpha,
+            lora_dropout=cfg.dropout, bias=cfg.bias,
+            target_modules=list(cfg.target_modules) if cfg.target_modules else None,
+        )
+        return finish_tuning(_wrap(model, peft_cfg), record)
+
+    def trainable_parameters(self, model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+        return requires_grad_parameters(model)
+
+    def state_dict_to_save(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        return _peft_state(model)
+
+    def load_tuned(self, model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+        _peft_load(model, state)
+
+    def aux_loss(self, model: nn.Module) -> torch.Tensor | None:
+        return None
+
+    def finalize(self, model: nn.Module) -> None:
+        return None
+
+
+@register_tuner(PrefixTunerConfig)
+class PrefixTuner:
+    """Prefix tuning via ``peft.get_peft_model(model, PrefixTuningConfig(...))``."""
+
+    def apply(self, model: nn.Module, cfg: PrefixTunerConfig, task: TaskInfo | None = None
+              ) -> nn.Module:
+        from peft import PrefixTuningConfig, TaskType
+
+        record = start_tuning(model, cfg)
+        peft_cfg = PrefixTuningConfig(
+            task_type=TaskType[peft_task_type(model)],
+            num_virtual_tokens=cfg.num_virtual_tokens,
+            prefix_projection=cfg.prefix_projection,
+            encoder_hidden_size=cfg.encoder_hidden_size or int(model.config.hidden_size),
+        )
+        return finish_tuning(_wrap(model, peft_cfg), record)
+
+    def trainable_parameters(self, model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+        return requires_grad_parameters(model)
+
+    def state_dict_to_save(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        return _peft_state(model)
+
+    def load_tuned(self, model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+        _peft_load(model, state)
+
+    def aux_loss(self, model: nn.Module) -> torch.Tensor | None:
+        return None
+
+    def finalize(self, model: nn.Module) -> None:
+        return None
