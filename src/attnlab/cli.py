@@ -89,8 +89,12 @@ Overrides = Annotated[
 
 
 def _load(config: str | None, overrides: list[str] | None):
+    from pathlib import Path
+
     from .config import ConfigError, load_config
 
+    if config is not None and "=" in config and not Path(config).exists():
+        config, overrides = None, [config, *(overrides or [])]  # no file: all overrides
     try:
         return load_config(config, overrides or [])
     except ConfigError as e:

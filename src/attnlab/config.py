@@ -37,7 +37,8 @@ class TaskConfig:
     train_limit: int | None = None  # use only the first N training examples
     eval_limit: int | None = None  # use only the first N evaluation examples
     train_fraction: float = 1.0  # fraction of the training set (seeded subset)
-    eval_split: str = "dev"  # split used for evaluation
+    train_split: str | None = None  # None = the task's own (SQuAD here: "dev_train")
+    eval_split: str | None = None  # None = the task's own eval splits (MNLI: both)
 
 
 @dataclass

@@ -88,13 +88,19 @@ def subset(examples: list, fraction: float, limit: int | None, seed: int) -> lis
     return examples[:limit] if limit is not None else examples
 
 
-def make_evaluator(task, splits: dict[str, tuple[list, list]], collate, batch_size: int):
-    """evaluate(model) -> metrics; with several eval splits, names get a ``split/`` prefix."""
+def make_evaluator(task, splits: dict[str, tuple[list, list]], tokenizer, seed: int,
+                   batch_size: int):
+    """evaluate(model) -> metrics; with several eval splits, names get a ``split/`` prefix.
+
+    A fresh collator per evaluation, seeded the same, so masked-LM masks are identical in
+    every evaluation.
+    """
 
     def evaluate(model: torch.nn.Module) -> dict[str, float]:
         device = next(model.parameters()).device
         result: dict[str, float] = {}
         for split, (examples, features) in splits.items():
+            collate = task.collator(tokenizer, seed=seed)
             preds: list = []
             for i in range(0, len(features), batch_size):
                 batch = collate(features[i : i + batch_size])
@@ -108,6 +114,10 @@ def make_evaluator(task, splits: dict[str, tuple[list, list]], collate, batch_si
         return result
 
     return evaluate
+
+
+def eval_splits_of(cfg: ExperimentConfig, task) -> tuple[str, ...]:
+    return (cfg.task.eval_split,) if cfg.task.eval_split else tuple(task.eval_splits)
 
 
 def run_experiment(cfg: ExperimentConfig, resume: bool = False,
@@ -132,9 +142,9 @@ def run_experiment(cfg: ExperimentConfig, resume: bool = False,
 
     task = get_task(cfg.task.name)
     data_dir = cfg.task.data_dir
-    train_ex = subset(task.load(task.train_split, data_dir), cfg.task.train_fraction,
-                      cfg.task.train_limit, cfg.seed)
-    eval_splits = task.eval_splits if cfg.task.eval_split == "dev" else (cfg.task.eval_split,)
+    train_ex = subset(task.load(cfg.task.train_split or task.train_split, data_dir),
+                      cfg.task.train_fraction, cfg.task.train_limit, cfg.seed)
+    eval_splits = eval_splits_of(cfg, task)
     eval_ex = {s: task.load(s, data_dir)[: cfg.task.eval_limit] for s in eval_splits}
 
     set_seed(cfg.seed)  # model init (new heads) depends only on the seed
@@ -161,7 +171,7 @@ def run_experiment(cfg: ExperimentConfig, resume: bool = False,
         return sum(extra) if extra else None
 
     parts = LoopParts(model=model, train_features=train_feats, collate=collate,
-                      evaluate=make_evaluator(task, splits, collate, cfg.eval.batch_size),
+                      evaluate=make_evaluator(task, splits, tok, cfg.seed, cfg.eval.batch_size),
                       main_metric=main_metric, greater_is_better=task.greater_is_better,
                       aux_loss=aux)
     state = fit(cfg, parts, accelerator, run_dir, resume=resume, stop_after=stop_after)
@@ -226,11 +236,11 @@ def evaluate_run(run_dir: str | Path, data_dir: str | None = None) -> dict[str, 
     load_tuned_file(model, tuner, weights)
     model.eval()
     d = data_dir if data_dir is not None else cfg.task.data_dir
-    eval_splits = task.eval_splits if cfg.task.eval_split == "dev" else (cfg.task.eval_split,)
+    eval_splits = eval_splits_of(cfg, task)
     splits = {}
     for s in eval_splits:
         ex = task.load(s, d)[: cfg.task.eval_limit]
         splits[s] = (ex, task.encode(ex, tok, cfg.model.max_length))
-    evaluate = make_evaluator(task, splits, task.collator(tok, seed=cfg.seed), cfg.eval.batch_size)
+    evaluate = make_evaluator(task, splits, tok, cfg.seed, cfg.eval.batch_size)
     with torch.no_grad():
         return evaluate(model)

@@ -1,0 +1,37 @@
+"""The Hugging Face layer: the only part of attnlab that imports transformers.
+
+backend  the "attnlab" attention function (registered on import) and per-forward state
+plan     Plan = ordered rules {layers, heads, mechanism}
+arch     where each model family keeps its self-attention modules
+surgery  apply_plan(model, plan) -> SurgeryReport
+saving   save_pretrained / load_pretrained with the plan
+capture  capture_attention(model, batch) -> AttentionCache
+"""
+
+from .arch import Host, UnsupportedModelError, inspect_model
+from .backend import AttnlabLayer, attnlab_attention, aux_loss, register_backend
+from .capture import AttentionCache, capture_attention
+from .plan import Plan, PlanError, Rule
+from .saving import load_pretrained, save_pretrained
+from .surgery import SurgeryError, SurgeryReport, applied_report, apply_plan
+
+__all__ = [
+    "AttentionCache",
+    "AttnlabLayer",
+    "Host",
+    "Plan",
+    "PlanError",
+    "Rule",
+    "SurgeryError",
+    "SurgeryReport",
+    "UnsupportedModelError",
+    "applied_report",
+    "apply_plan",
+    "attnlab_attention",
+    "aux_loss",
+    "capture_attention",
+    "inspect_model",
+    "load_pretrained",
+    "register_backend",
+    "save_pretrained",
+]

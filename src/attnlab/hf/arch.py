@@ -1,0 +1,210 @@
+"""Per-family knowledge of Hugging Face models: where the self-attention modules are.
+
+``inspect_model(model) -> Host`` finds, in layer order, the self-attention modules whose
+forward calls ``ALL_ATTENTION_FUNCTIONS.get_interface(...)`` (so the "attnlab" function can
+take over), with head count, head dim, maximum positions, the names of the Q/K/V
+projections and whether the model is causal.
+
+Known families are listed in ``FAMILIES`` (BERT, RoBERTa, ELECTRA, DistilBERT and the
+BERT-layout clones). Any other model that routes its attention through the interface is
+handled generically when its self-attention modules can be found by their projection
+names (``query/key/value``, ``q_lin/k_lin/v_lin`` or ``q_proj/k_proj/v_proj``) and there is
+one per hidden layer. Models known not to route through the interface get an error that
+says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+from transformers import PreTrainedModel
+
+
+class UnsupportedModelError(TypeError):
+    """The model's attention cannot be replaced by attnlab; the message says why."""
+
+
+@dataclass(frozen=True)
+class Family:
+    """How one model family lays out its self-attention modules."""
+
+    attn_class_suffix: str  # class-name suffix of the self-attention module
+    proj: tuple[str, str, str]  # attribute names of the Q, K, V projections
+    heads_attr: str  # attribute on the module giving its head count
+    head_dim_attr: str  # attribute on the module giving the head dim
+
+
+_BERT_LAYOUT = Family("SelfAttention", ("query", "key", "value"), "num_attention_heads",
+                      "attention_head_size")
+
+# model_type -> layout. All of these use BertSelfAttention-style modules (query/key/value,
+# one per layer, `layer_idx` and `is_causal` set from `config.is_decoder`).
+FAMILIES: dict[str, Family] = {
+    "bert": _BERT_LAYOUT,
+    "roberta": _BERT_LAYOUT,
+    "xlm-roberta": _BERT_LAYOUT,
+    "camembert": _BERT_LAYOUT,
+    "electra": _BERT_LAYOUT,
+    "ernie": _BERT_LAYOUT,
+    "roberta-prelayernorm": _BERT_LAYOUT,
+    "distilbert": Family("SelfAttention", ("q_lin", "k_lin", "v_lin"), "n_heads",
+                         "attention_head_size"),
+}
+
+_OWN_ATTENTION = (
+    "keeps its own attention classes and does not route through transformers' "
+    "AttentionInterface, so its attention cannot be swapped per head"
+)
+UNSUPPORTED: dict[str, str] = {
+    "big_bird": _OWN_ATTENTION + " (use attnlab's 'bigbird' mechanism on a BERT host instead)",
+    "longformer": _OWN_ATTENTION
+    + " (use attnlab's 'longformer' mechanism on a BERT/RoBERTa host instead)",
+    "reformer": _OWN_ATTENTION,
+    "nystromformer": _OWN_ATTENTION,
+    "deberta": _OWN_ATTENTION,
+    "deberta-v2": _OWN_ATTENTION,
+    "albert": "shares one attention module across all layers, so a per-layer plan cannot be "
+    "installed",
+}
+
+_PROJ_TRIPLES = (("query", "key", "value"), ("q_lin", "k_lin", "v_lin"),
+                 ("q_proj", "k_proj", "v_proj"))
+
+
+@dataclass(frozen=True)
+class Host:
+    """What surgery needs to know about a model (see module docstring)."""
+
+    family: str  # FAMILIES key, or "generic"
+    model_type: str
+    base: PreTrainedModel  # innermost pretrained model holding every attention module
+    attention: tuple[nn.Module, ...]  # self-attention modules, in layer order
+    num_heads: int  # h (query heads)
+    head_dim: int  # d
+    max_len: int | None  # config.max_position_embeddings
+    proj: tuple[str, str, str]  # Q, K, V projection attribute names
+    causal: bool
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.attention)
+
+
+def _model_type(model: nn.Module) -> str:
+    cfg = getattr(model, "config", None)
+    return str(getattr(cfg, "model_type", "") or "")
+
+
+def _find_base(model: nn.Module, first_attn: nn.Module) -> PreTrainedModel:
+    """Innermost PreTrainedModel that contains the attention modules (e.g. ``model.bert``)."""
+    best = None
+    for sub in model.modules():
+        if isinstance(sub, PreTrainedModel) and any(m is first_attn for m in sub.modules()):
+            best = sub  # modules() is pre-order, so later hits are nested deeper
+    if best is None:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} is not a transformers PreTrainedModel; attnlab plans "
+            "apply to Hugging Face models"
+        )
+    return best
+
+
+def _is_self_attention(module: nn.Module, proj: tuple[str, str, str]) -> bool:
+    if getattr(module, "is_cross_attention", False) or "Cross" in type(module).__name__:
+        return False
+    return all(isinstance(getattr(module, p, None), nn.Linear) for p in proj)
+
+
+def _heads_and_dim(module: nn.Module, config, family: Family | None) -> tuple[int, int]:
+    heads = dim = None
+    names_h = (family.heads_attr,) if family else ()
+    names_d = (family.head_dim_attr,) if family else ()
+    for name in (*names_h, "num_heads", "num_attention_heads", "n_heads"):
+        if isinstance(getattr(module, name, None), int):
+            heads = getattr(module, name)
+            break
+    if heads is None:
+        heads = getattr(config, "num_attention_heads", None)
+    for name in (*names_d, "head_dim", "attention_head_size"):
+        if isinstance(getattr(module, name, None), int):
+            dim = getattr(module, name)
+            break
+    if dim is None and heads:
+        dim = getattr(config, "hidden_size", 0) // heads
+    if not heads or not dim:
+        raise UnsupportedModelError(
+            f"cannot tell the head count / head dim of {type(module).__name__}; "
+            "add its family to attnlab.hf.arch.FAMILIES"
+        )
+    return int(heads), int(dim)
+
+
+def inspect_model(model: nn.Module) -> Host:
+    """Find the self-attention modules of ``model`` and the facts surgery needs."""
+    model_type = _model_type(model)
+    if model_type in UNSUPPORTED:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} (model_type {model_type!r}) {UNSUPPORTED[model_type]}. "
+            f"Supported families: {', '.join(sorted(FAMILIES))}, and other models whose "
+            "attention routes through transformers' AttentionInterface."
+        )
+    family = FAMILIES.get(model_type)
+    if family is not None:
+        attn = [
+            m for m in model.modules()
+            if type(m).__name__.endswith(family.attn_class_suffix)
+            and _is_self_attention(m, family.proj)
+        ]
+        proj = family.proj
+    else:
+        if isinstance(model, PreTrainedModel) and not type(model)._can_set_attn_implementation():
+            raise UnsupportedModelError(
+                f"{type(model).__name__} (model_type {model_type!r}) {_OWN_ATTENTION}"
+            )
+        attn, proj = [], _PROJ_TRIPLES[0]
+        for triple in _PROJ_TRIPLES:
+            found = [
+                m for m in model.modules()
+                if "Attention" in type(m).__name__ and _is_self_attention(m, triple)
+            ]
+            if found:
+                attn, proj = found, triple
+                break
+    config = getattr(model, "config", None)
+    if not attn:
+        raise UnsupportedModelError(
+            f"found no self-attention modules in {type(model).__name__} "
+            f"(model_type {model_type!r}); supported: {', '.join(sorted(FAMILIES))}, and other "
+            "models whose attention routes through transformers' AttentionInterface with "
+            "query/key/value, q_lin/k_lin/v_lin or q_proj/k_proj/v_proj projections"
+        )
+    n_layers = getattr(config, "num_hidden_layers", getattr(config, "n_layers", None))
+    if family is None and n_layers is not None and len(attn) != n_layers:
+        raise UnsupportedModelError(
+            f"found {len(attn)} attention modules in {type(model).__name__} but the config has "
+            f"{n_layers} layers (cross-attention or an encoder-decoder?); attnlab supports "
+            "single-stack models"
+        )
+    shapes = {_heads_and_dim(m, config, family) for m in attn}
+    if len(shapes) != 1:
+        raise UnsupportedModelError(
+            f"attention layers of {type(model).__name__} differ in (heads, head_dim): "
+            f"{sorted(shapes)}; attnlab needs one shape for all layers"
+        )
+    heads, dim = shapes.pop()
+    causal = any(bool(getattr(m, "is_causal", False)) for m in attn) or bool(
+        getattr(config, "is_decoder", False)
+    )
+    max_len = getattr(config, "max_position_embeddings", None)
+    return Host(
+        family=model_type if family is not None else "generic",
+        model_type=model_type,
+        base=_find_base(model, attn[0]),
+        attention=tuple(attn),
+        num_heads=heads,
+        head_dim=dim,
+        max_len=int(max_len) if max_len else None,
+        proj=proj,
+        causal=causal,
+    )

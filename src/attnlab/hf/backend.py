@@ -1,0 +1,360 @@
+"""The "attnlab" attention function for transformers' AttentionInterface.
+
+transformers (>= 5) lets a model's attention modules call any function registered in
+``AttentionInterface``; they pass ``query, key, value`` as [b, h, n, d] and expect
+``(out [b, n, h, d], weights [b, h, n, m] or None)``. :func:`register_backend` registers
+:func:`attnlab_attention` under "attnlab", together with transformers' ``sdpa_mask`` as its
+mask builder (without one the padding mask arrives as ``None`` and padded batches silently
+differ).
+
+:func:`attnlab_attention` runs the mechanisms that surgery installed on the attention module
+as ``module.attnlab`` (an :class:`AttnlabLayer`): each group of heads goes through its own
+mechanism, and the outputs are put back in head order. A module without one runs plain
+``softmax`` on all heads, so a model switched to "attnlab" without a plan computes the same
+function as with "sdpa".
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..core import AttnContext, HeadDims, build_mechanism
+
+BACKEND = "attnlab"  # the name registered in AttentionInterface / AttentionMaskInterface
+LAYER_ATTR = "attnlab"  # attention-module attribute holding the installed AttnlabLayer
+STATE_ATTR = "_attnlab_forward_state"  # base-model attribute holding the ForwardState
+
+
+class ForwardState:
+    """Per-forward scratch shared by all attention layers of one model.
+
+    ``state`` is the dict every mechanism sees as ``ctx.state`` (RealFormer passes scores
+    from layer l to l+1 through it); ``aux_loss`` sums the mechanisms' auxiliary losses.
+    Both are reset by a forward pre-hook on the model's base (see :func:`install_reset_hook`),
+    so nothing leaks from one forward into the next. Under gradient checkpointing a layer's
+    recomputation sees the state as the forward left it (known limitation).
+    """
+
+    def __init__(self) -> None:
+        self.state: dict[str, Any] = {}
+        self.aux_loss: torch.Tensor | None = None
+
+    def reset(self) -> None:
+        self.state = {}
+        self.aux_loss = None
+
+    def __deepcopy__(self, memo: dict) -> ForwardState:
+        # Per-forward scratch is never worth copying (and holds non-leaf tensors that
+        # deepcopy refuses); a copied model starts with a fresh one.
+        return ForwardState()
+
+    def __getstate__(self) -> dict:
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()
+
+    def add_aux(self, loss: torch.Tensor) -> None:
+        self.aux_loss = loss if self.aux_loss is None else self.aux_loss + loss
+
+
+def _reset_forward_state(module: nn.Module, args: Any) -> None:
+    """Forward pre-hook on the base model: a fresh per-forward state for every forward."""
+    holder = getattr(module, STATE_ATTR, None)
+    if holder is not None:
+        holder.reset()
+
+
+def _drop_forward_scratch(module: nn.Module, args: Any, output: Any) -> None:
+    """Forward hook on the base model: free the cross-layer scratch once the forward is done
+    (``aux_loss`` stays readable until the next forward)."""
+    holder = getattr(module, STATE_ATTR, None)
+    if holder is not None:
+        holder.state = {}
+
+
+def install_reset_hook(base: nn.Module, holder: ForwardState) -> None:
+    """Attach ``holder`` to ``base`` and register the reset/cleanup hooks once (idempotent).
+
+    The hooks are module-level functions reading the holder from the module they run on, so
+    a deep copy of the model resets its own (copied) holder, not the original's.
+    """
+    setattr(base, STATE_ATTR, holder)
+    if not any(h is _reset_forward_state for h in base._forward_pre_hooks.values()):
+        base.register_forward_pre_hook(_reset_forward_state)
+    if not any(h is _drop_forward_scratch for h in base._forward_hooks.values()):
+        base.register_forward_hook(_drop_forward_scratch)
+
+
+class AttnlabLayer(nn.Module):
+    """The mechanisms installed in one attention layer, each on its group of heads.
+
+    groups: one mechanism module per group, in ``nn.ModuleList`` ``mechanisms`` (so their
+    parameters save, load and train with the host model); ``heads[i]`` are the head indices
+    of group i. Head-scope groups receive ``q[:, heads]``; a group covering the whole layer
+    receives q, k, v untouched (with ``kv_heads`` K/V heads when a module-scope mechanism
+    shrank the projections). Outputs are concatenated and put back in head order.
+    """
+
+    def __init__(
+        self,
+        layer_idx: int,
+        num_heads: int,
+        groups: Sequence[tuple[tuple[int, ...], nn.Module]],
+        forward_state: ForwardState,
+        kv_heads: int | None = None,
+    ) -> None:
+        super().__init__()
+        covered = sorted(h for heads, _ in groups for h in heads)
+        if covered != list(range(num_heads)):
+            raise ValueError(f"groups must cover heads 0..{num_heads - 1} once, got {covered}")
+        self.layer_idx = layer_idx
+        self.num_heads = num_heads
+        self.kv_heads = kv_heads
+        self.heads = tuple(tuple(heads) for heads, _ in groups)
+        self.mechanisms = nn.ModuleList(mech for _, mech in groups)
+        self.forward_state = forward_state
+        self.whole = len(groups) == 1  # one mechanism on all heads: no slicing, no reorder
+        for i, heads in enumerate(self.heads):
+            self.register_buffer(f"heads_{i}", torch.tensor(heads), persistent=False)
+        order = torch.tensor([h for heads in self.heads for h in heads])
+        self.register_buffer("inverse", torch.argsort(order), persistent=False)
+
+    def names(self) -> list[str]:
+        return [m.cfg.name for m in self.mechanisms]
+
+    def head_table(self) -> list[str]:
+        """Mechanism spec of every head, in head order."""
+        out = [""] * self.num_heads
+        for heads, mech in zip(self.heads, self.mechanisms, strict=True):
+            for h in heads:
+                out[h] = mech.cfg.spec()
+        return out
+
+    def extra_repr(self) -> str:
+        groups = ", ".join(f"{m.cfg.name}@{list(h)}" for h, m in zip(self.heads,
+                                                                       self.mechanisms,
+                                                                       strict=True))
+        return f"layer_idx={self.layer_idx}, groups=[{groups}]"
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext
+    ) -> tuple[torch.Tensor, torch.Tensor | None, list[str]]:
+        """q [b,h,n,d], k/v [b,h|kv,m,d] -> (out [b,h,n,d], probs [b,h,n,m] or None,
+        names of the mechanisms that gave no probabilities)."""
+        m = k.shape[2]
+        outs, probs, missing = [], [], []
+        for i, mech in enumerate(self.mechanisms):
+            max_len = mech.dims.max_len
+            if mech.caps.needs_max_len and max_len is not None and m > max_len:
+                raise ValueError(
+                    f"layer {self.layer_idx} heads {list(self.heads[i])}: mechanism "
+                    f"{mech.cfg.name!r} was built for at most {max_len} positions "
+                    f"(HeadDims.max_len) but the input has {m}; truncate the input to "
+                    f"{max_len} tokens or re-apply the plan with a larger max_len"
+                )
+            if not mech.caps.key_mask_ok and ctx.key_mask is not None:
+                _warn_key_mask(mech.cfg.name, ctx.key_mask)
+            if self.whole:
+                res = mech(q, k, v, ctx)
+            else:
+                idx = getattr(self, f"heads_{i}")
+                res = mech(q.index_select(1, idx), k.index_select(1, idx),
+                           v.index_select(1, idx), ctx)
+            outs.append(res.out)  # [b,hg,n,d]
+            if res.probs is None:
+                missing.append(mech.cfg.name)
+            else:
+                probs.append(res.probs)
+            if res.aux_loss is not None:
+                self.forward_state.add_aux(res.aux_loss)
+        if self.whole:
+            out = outs[0]
+            p = probs[0] if probs else None
+        else:
+            out = torch.cat(outs, dim=1).index_select(1, self.inverse)  # [b,h,n,d]
+            p = None
+            if probs and not missing:
+                dtype = probs[0].dtype
+                p = torch.cat([x.to(dtype) for x in probs], 1).index_select(1, self.inverse)
+        return out, (p if ctx.need_weights and not missing else None), missing
+
+
+@functools.cache
+def _warn_key_mask_once(name: str) -> None:
+    warnings.warn(
+        f"mechanism {name!r} declares key_mask_ok=False: padded keys are not masked, so "
+        "outputs of padded batches depend on the padding; use unpadded batches of equal "
+        "length with it",
+        stacklevel=4,
+    )
+
+
+def _warn_key_mask(name: str, key_mask: torch.Tensor) -> None:
+    if not bool(key_mask.all()):
+        _warn_key_mask_once(name)
+
+
+# ------------------------------------------------------------------------------ capture sink
+
+
+class AttentionRecorder:
+    """Collects probabilities per attention module during :func:`recording`."""
+
+    def __init__(self) -> None:
+        self.probs: dict[int, torch.Tensor] = {}  # id(module) -> [b,h,n,m] float32 cpu
+        self.missing: dict[int, list[str]] = {}  # id(module) -> mechanisms without probs
+
+    def record(self, module: nn.Module, probs: torch.Tensor | None, missing: list[str]) -> None:
+        if missing or probs is None:
+            self.missing[id(module)] = missing or ["(unknown)"]
+        else:
+            self.probs[id(module)] = probs.detach().to(device="cpu", dtype=torch.float32)
+
+
+_RECORDER: ContextVar[AttentionRecorder | None] = ContextVar("attnlab_recorder", default=None)
+
+
+@contextmanager
+def recording() -> Iterator[AttentionRecorder]:
+    """While active, every "attnlab" attention call materialises and records probabilities."""
+    rec = AttentionRecorder()
+    token = _RECORDER.set(rec)
+    try:
+        yield rec
+    finally:
+        _RECORDER.reset(token)
+
+
+# --------------------------------------------------------------------------- the function
+
+
+def key_mask_from_hf(mask: torch.Tensor | None, b: int, m: int) -> torch.Tensor | None:
+    """transformers' attention mask -> key mask [b, m] bool (True = keep).
+
+    Accepts bool masks (True = attend) and additive float masks (0 = attend, a very
+    negative number or -inf = not), 2-D [b, m] or 4-D [b, 1|h, n, m]. A key is kept when
+    any query may attend it; a causal pattern inside the mask is carried by ``ctx.causal``.
+    """
+    if mask is None:
+        return None
+    if mask.dtype == torch.bool:
+        allowed = mask
+    elif mask.is_floating_point():
+        allowed = mask > torch.finfo(mask.dtype).min / 2  # -inf and finfo.min both drop
+    else:
+        allowed = mask != 0  # 0/1 integer padding mask
+    if allowed.dim() == 4:
+        allowed = allowed[..., -m:].flatten(1, 2).any(1)  # [b,m]
+    elif allowed.dim() != 2:
+        raise ValueError(
+            f"attention mask of shape {tuple(mask.shape)} is neither [b, m] nor [b, 1, n, m]"
+        )
+    return allowed.expand(b, m)
+
+
+@functools.lru_cache(maxsize=64)
+def _plain_softmax(num_heads: int, head_dim: int) -> nn.Module:
+    return build_mechanism("softmax", HeadDims(num_heads, head_dim))
+
+
+def _expand_kv(k: torch.Tensor, v: torch.Tensor, h: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Grouped-query hosts: repeat K/V heads to the query head count (as transformers does)."""
+    hk = k.shape[1]
+    if hk == h:
+        return k, v
+    if h % hk:
+        raise ValueError(f"{h} query heads cannot share {hk} K/V heads evenly")
+    return k.repeat_interleave(h // hk, dim=1), v.repeat_interleave(h // hk, dim=1)
+
+
+def attnlab_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """AttentionInterface entry point. q [b,h,n,d], k/v [b,h|kv,m,d].
+
+    Returns (out [b,n,h,d] contiguous, probs [b,h,n,m] or None). ``kwargs`` is the host's
+    pass-through (``output_attentions``, ``is_causal``, ``position_ids``, ...); only
+    ``output_attentions`` and ``is_causal`` are read, the rest concern other backends.
+    Probabilities are returned when ``output_attentions`` is set or :func:`recording` is
+    active, and only when every mechanism of the layer produced them.
+    """
+    layer: AttnlabLayer | None = getattr(module, LAYER_ATTR, None)
+    b, h, n, d = query.shape
+    m = key.shape[2]
+    is_causal = kwargs.get("is_causal")
+    if is_causal is None:
+        is_causal = bool(getattr(module, "is_causal", False))
+    recorder = _RECORDER.get()
+    need = bool(kwargs.get("output_attentions")) or recorder is not None
+    if layer is None:
+        layer_idx = getattr(module, "layer_idx", None) or 0
+        state: dict[str, Any] = {}
+    else:
+        layer_idx, state = layer.layer_idx, layer.forward_state.state
+    ctx = AttnContext(
+        key_mask=key_mask_from_hf(attention_mask, b, m),
+        causal=bool(is_causal),
+        layer_idx=layer_idx,
+        need_weights=need,
+        state=state,
+        dropout=float(dropout),
+        scale=scaling,
+    )
+    if layer is None or layer.kv_heads is None:
+        key, value = _expand_kv(key, value, h)
+    if layer is None:
+        res = _plain_softmax(h, d)(query, key, value, ctx)
+        out, probs, missing = res.out, res.probs, ([] if res.probs is not None or not need
+                                                   else ["softmax"])
+    else:
+        out, probs, missing = layer(query, key, value, ctx)
+    if recorder is not None:
+        recorder.record(module, probs, missing)
+    return out.transpose(1, 2).contiguous(), probs  # [b,n,h,d], [b,h,n,m] | None
+
+
+def register_backend() -> str:
+    """Register "attnlab" in AttentionInterface and AttentionMaskInterface (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(BACKEND, attnlab_attention)
+    AttentionMaskInterface.register(BACKEND, sdpa_mask)
+    return BACKEND
+
+
+def forward_state(model: nn.Module) -> ForwardState | None:
+    """The ForwardState shared by ``model``'s installed layers (None if no plan applied)."""
+    for mod in model.modules():
+        if isinstance(mod, AttnlabLayer):
+            return mod.forward_state
+    return None
+
+
+def aux_loss(model: nn.Module) -> torch.Tensor | None:
+    """Sum of the mechanisms' auxiliary losses from the model's last forward (or None).
+
+    Add it to the task loss when training with regularised mechanisms, e.g.
+    ``loss = out.loss + attnlab.hf.aux_loss(model)`` (guard for None).
+    """
+    holder = forward_state(model)
+    return None if holder is None else holder.aux_loss
+
+
+register_backend()

