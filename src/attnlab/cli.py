@@ -128,9 +128,12 @@ def run(
     resume: Annotated[bool, typer.Option(help="Continue from the last checkpoint.")] = False,
 ) -> None:
     """Train and evaluate one config; writes runs/<name>/ (summary.json, metrics.jsonl, ...)."""
+    _run_and_report(_load(config, overrides), resume=resume)
+
+
+def _run_and_report(cfg, resume: bool) -> None:
     from .recipes.finetune import run_experiment
 
-    cfg = _load(config, overrides)
     summary = run_experiment(cfg, resume=resume)
     table = Table(title=f"{cfg.name}: {summary['task']} ({summary['tuning']})")
     for col in ("metric", "best", "at step", "steps", "s/step", "trained params"):
@@ -143,6 +146,22 @@ def run(
     console.print(table)
     console.print(f"best dev metrics: {json.dumps(summary['best_eval'])}")
     console.print(f"run directory: {cfg.run_dir}")
+
+
+@app.command()
+def quickstart(
+    overrides: Overrides = None,
+    data_dir: Annotated[str | None, typer.Option(
+        help="CoLA data: a GLUE folder, or 'builtin'. Default: ../shared/data if present."
+    )] = None,
+) -> None:
+    """The main job: fine-tune the embedded MiniLM on CoLA and print the result table."""
+    from .recipes.quickstart import quickstart_config
+
+    cfg = quickstart_config(data_dir, overrides)
+    console.print(f"[bold]quickstart[/]: CoLA from {cfg.task.data_dir}, "
+                  f"{cfg.train.epochs:g} epoch(s), batch {cfg.train.batch_size}")
+    _run_and_report(cfg, resume=False)
 
 
 @app.command("eval")

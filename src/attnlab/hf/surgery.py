@@ -137,16 +137,22 @@ class SurgeryReport:
         return "\n".join([head, sep, *rows, "", *legend, "", self._params_line()])
 
     def __rich__(self):
+        """Compact grid for terminals: one letter per distinct mechanism, then a legend."""
+        from rich.console import Group
         from rich.table import Table
 
-        labels = self.labels()
-        t = Table(title=f"{self.model}: attention plan", caption=self._params_line())
+        specs = list(dict.fromkeys(s for row in self.table for s in row))
+        letter = {spec: chr(ord("A") + i) if i < 26 else str(i) for i, spec in enumerate(specs)}
+        t = Table(title=f"{self.model}: attention plan (layer x head)", box=None,
+                  pad_edge=False)
         t.add_column("layer", justify="right")
         for h in range(self.num_heads):
-            t.add_column(f"h{h}")
+            t.add_column(f"h{h}", justify="center", no_wrap=True)
         for i, row in enumerate(self.table):
-            t.add_row(str(i), *(labels[s] for s in row))
-        return t
+            t.add_row(str(i), *(letter[s] for s in row))
+        counts = self.counts
+        legend = [f"  {letter[s]} = {s}  ({counts[s]} heads)" for s in specs]
+        return Group(t, *legend, "  " + self._params_line())
 
 
 # ----------------------------------------------------------------------------------- helpers
