@@ -1,0 +1,56 @@
+"""Head analysis: scorers and classifier (heads), figures (plots), tables and report (report).
+
+Importing this package loads torch only; matplotlib loads when a figure is first drawn
+(``from attnlab.analysis import plots``, or ``build_report``).
+"""
+
+from .heads import (
+    DEFAULT_SCORERS,
+    HEAD_CLASSES,
+    NO_CLASS,
+    SCORERS,
+    ClassRule,
+    HeadAnalysis,
+    HeadScoreAccumulator,
+    HeadScorer,
+    HeadView,
+    TokenInfo,
+    analyze_heads,
+    build_scorer,
+    class_counts,
+    class_names,
+    classify_heads,
+    classify_shares,
+    register_scorer,
+    score_heads,
+    token_infos,
+)
+from .report import build_report, example_maps, read_json, to_csv, to_json, write_atomic
+
+__all__ = [
+    "DEFAULT_SCORERS",
+    "HEAD_CLASSES",
+    "NO_CLASS",
+    "SCORERS",
+    "ClassRule",
+    "HeadAnalysis",
+    "HeadScoreAccumulator",
+    "HeadScorer",
+    "HeadView",
+    "TokenInfo",
+    "analyze_heads",
+    "build_report",
+    "build_scorer",
+    "class_counts",
+    "class_names",
+    "classify_heads",
+    "classify_shares",
+    "example_maps",
+    "read_json",
+    "register_scorer",
+    "score_heads",
+    "to_csv",
+    "to_json",
+    "token_infos",
+    "write_atomic",
+]

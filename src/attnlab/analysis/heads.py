@@ -1,0 +1,642 @@
+"""Head scorers and the head classifier over captured attention maps.
+
+Why this module exists: PASTA (Yang et al., EACL 2023) tunes only the vectors at special-token
+positions because many BERT heads are "vertical" (every token attends to [CLS]/[SEP]); TLM
+(Yao et al., ICML 2022) reports fewer vertical and more heterogeneous heads in task-driven
+models; Kovaleva et al. (2019) sorted heads into vertical, diagonal, vertical+diagonal, block
+and heterogeneous; Clark et al. (2019) measured entropy and the mass on special and
+neighbouring tokens. This module turns captured maps into [layers, heads] tables of those
+statistics and into one class per head.
+
+Inputs are plain tensors: ``maps`` is a tensor [L, b, h, n, n], a sequence of per-layer
+[b, h, n, n] tensors, or a mapping layer -> [b, h, n, n] (what ``capture_attention``
+returns). ``infos`` holds one :class:`TokenInfo` per example. Padding is cropped per
+example: only the real n_i x n_i block of example i counts, and the probabilities are used as
+captured (no renormalisation), so values at padded positions never change a score.
+
+Argmax ties: a row whose maximum is attained at k positions gives each of them 1/k of the
+row's vote. Real softmax maps almost never tie, so this equals ``torch.argmax`` there; on
+constructed maps (a uniform row) it avoids calling a head "vertical" only because argmax
+returns the first index. The PASTA code uses plain argmax (first index on ties).
+
+Every score is computed per example and then averaged over examples (a streaming mean in
+float64, see :class:`HeadScoreAccumulator`), so a dev set never has to sit in memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+import torch
+from torch import Tensor
+
+from attnlab.core import Registry, RegistryError, parse_spec
+
+# The classifier's labels, in the order it checks them (see ClassRule); NO_CLASS marks a head
+# whose layer had no maps (its f_V or f_D is NaN).
+NO_CLASS = "n/a"
+HEAD_CLASSES: tuple[str, ...] = (
+    "vertical", "diagonal", "vertical+diagonal", "block", "heterogeneous"
+)
+
+# ----------------------------------------------------------------------------- token info
+
+
+@dataclass(frozen=True, eq=False)
+class TokenInfo:
+    """What the scorers need about one example, in cropped coordinates 0..n_i-1.
+
+    ``keep`` maps cropped positions to positions in the padded row (right or left padding).
+    ``segment`` is None for a single-segment input; an example is a *pair* when its segment
+    ids take more than one value.
+    """
+
+    keep: Tensor  # [n_i] long: positions of the real tokens in the padded row
+    special: Tensor  # [n_i] bool: structural special tokens ([CLS], [SEP], <s>, </s>)
+    period: Tensor  # [n_i] bool: "." tokens (the TLM paper counts them as vertical targets)
+    segment: Tensor | None = None  # [n_i] long: segment id per token; None = one segment
+    tokens: tuple[str, ...] | None = None  # n_i token strings, for plots and the report
+
+    def __post_init__(self) -> None:
+        n = self.keep.numel()
+        if self.keep.dim() != 1 or self.keep.dtype != torch.long:
+            raise ValueError("TokenInfo.keep must be a 1-d long tensor of real-token positions")
+        if n == 0:
+            raise ValueError("TokenInfo needs at least one real token (attention_mask all 0?)")
+        for name in ("special", "period"):
+            t = getattr(self, name)
+            if t.shape != (n,) or t.dtype != torch.bool:
+                raise ValueError(f"TokenInfo.{name} must be a bool tensor of shape [{n}]")
+        if self.segment is not None and self.segment.shape != (n,):
+            raise ValueError(f"TokenInfo.segment must have shape [{n}] (one id per real token)")
+        if self.tokens is not None and len(self.tokens) != n:
+            raise ValueError(f"TokenInfo.tokens has {len(self.tokens)} strings for {n} tokens")
+
+    @property
+    def length(self) -> int:
+        return self.keep.numel()
+
+    @property
+    def is_pair(self) -> bool:
+        return self.segment is not None and bool((self.segment != self.segment[0]).any())
+
+    @classmethod
+    def from_length(
+        cls,
+        n: int,
+        *,
+        special: Sequence[int] = (0, -1),
+        period: Sequence[int] = (),
+        segment: Sequence[int] | Tensor | None = None,
+        tokens: Sequence[str] | None = None,
+    ) -> TokenInfo:
+        """An unpadded example of n tokens; ``special``/``period`` are positions (negatives ok)."""
+        sp = torch.zeros(n, dtype=torch.bool)
+        sp[list(special)] = True
+        pe = torch.zeros(n, dtype=torch.bool)
+        pe[list(period)] = True
+        seg = None if segment is None else torch.as_tensor(segment, dtype=torch.long)
+        toks = None if tokens is None else tuple(tokens)
+        return cls(keep=torch.arange(n), special=sp, period=pe, segment=seg, tokens=toks)
+
+
+def _segments_from_separators(is_sep: Tensor) -> Tensor:
+    """Segment id = number of separator runs that ended before the token.
+
+    [CLS] A [SEP] B [SEP] -> 0..0 1..1 (as BERT's token_type_ids); RoBERTa's
+    <s> A </s></s> B </s> -> A and both middle </s> in 0, B and the last </s> in 1.
+    """
+    ends = is_sep & ~torch.cat([is_sep[1:], is_sep.new_zeros(1)])  # [n] last sep of a run
+    return torch.cumsum(ends.long(), 0) - ends.long()
+
+
+def token_infos(
+    input_ids: Tensor,
+    attention_mask: Tensor | None = None,
+    token_type_ids: Tensor | None = None,
+    tokenizer: Any = None,
+    *,
+    special_ids: Iterable[int] | None = None,
+    period_ids: Iterable[int] | None = None,
+    sep_id: int | None = None,
+) -> list[TokenInfo]:
+    """Build one :class:`TokenInfo` per row of a tokenized batch.
+
+    With a tokenizer, special ids are ``tokenizer.all_special_ids`` minus [UNK] and [MASK]
+    (those stand in for ordinary words, so attending to them is not a "vertical" pattern),
+    "." tokens are found by their string (``"."``, ``"Ġ."``, ``"▁."``), and token strings are
+    kept. Without a tokenizer pass ``special_ids`` (and optionally ``period_ids``).
+    Segments come from ``token_type_ids``; when those are missing (RoBERTa, DistilBERT) they
+    are derived from the separator token (``tokenizer.sep_token_id`` or ``sep_id``).
+    """
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [b, n], got shape {tuple(input_ids.shape)}")
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError("attention_mask must have the same [b, n] shape as input_ids")
+    if token_type_ids is not None and token_type_ids.shape != input_ids.shape:
+        raise ValueError("token_type_ids must have the same [b, n] shape as input_ids")
+    if special_ids is None:
+        if tokenizer is None:
+            raise ValueError("token_infos needs a tokenizer or explicit special_ids=[...]")
+        words = {tokenizer.unk_token_id, getattr(tokenizer, "mask_token_id", None)}
+        special_ids = [i for i in tokenizer.all_special_ids if i not in words]
+    if sep_id is None and tokenizer is not None:
+        sep_id = tokenizer.sep_token_id
+    special_t = torch.tensor(sorted(set(special_ids)), dtype=torch.long)
+    period_t = torch.tensor(sorted(set(period_ids or ())), dtype=torch.long)
+    out: list[TokenInfo] = []
+    for i in range(input_ids.shape[0]):
+        keep = attention_mask[i].nonzero().flatten().long()  # [n_i]
+        ids = input_ids[i, keep].long().cpu()  # [n_i]
+        toks = tuple(tokenizer.convert_ids_to_tokens(ids.tolist())) if tokenizer else None
+        period = torch.isin(ids, period_t)
+        if toks is not None:
+            period |= torch.tensor([t.lstrip("Ġ▁") == "." for t in toks], dtype=torch.bool)
+        if token_type_ids is not None:
+            segment = token_type_ids[i, keep].long().cpu()
+        elif sep_id is not None:
+            segment = _segments_from_separators(ids == sep_id)
+        else:
+            segment = None
+        special = torch.isin(ids, special_t)
+        out.append(TokenInfo(keep.cpu(), special, period, segment, toks))
+    return out
+
+
+# ----------------------------------------------------------------------------- one example
+
+
+class HeadView:
+    """One example's cropped maps of one layer, p [h, n_i, n_i], with shared derived tensors."""
+
+    def __init__(self, p: Tensor, info: TokenInfo) -> None:
+        self.p = p  # [h, n, n] probabilities of the real block, as captured
+        self.info = info
+        self._top: Tensor | None = None
+
+    @property
+    def n(self) -> int:
+        return self.p.shape[-1]
+
+    @property
+    def top(self) -> Tensor:
+        """[h, n, n] argmax vote: 1 at a row's maximum, split 1/k over k tied maxima."""
+        if self._top is None:
+            hit = (self.p == self.p.amax(-1, keepdim=True)).to(self.p.dtype)  # [h, n, n]
+            self._top = hit / hit.sum(-1, keepdim=True)
+        return self._top
+
+    def row_share(self, keys: Tensor) -> Tensor:
+        """[h]: mean over rows of the argmax vote landing on the ``keys`` ([n] bool) set."""
+        return (self.top @ keys.to(self.p.dtype)).mean(-1)  # [h, n] @ ... -> [h]
+
+    def offset_share(self, offsets: Sequence[int]) -> Tensor:
+        """[h]: mean over all n rows of the argmax vote landing on key i + k, k in offsets."""
+        total = sum(torch.diagonal(self.top, k, dim1=-2, dim2=-1).sum(-1) for k in offsets)
+        return total / self.n
+
+
+class HeadScorer(Protocol):
+    """A frozen dataclass with a class-level ``name``; returns [h] per (example, layer).
+
+    Returning None excludes the example from this score's mean (e.g. ``block`` on a
+    single-segment input).
+    """
+
+    name: ClassVar[str]
+
+    def __call__(self, view: HeadView) -> Tensor | None: ...
+
+
+SCORERS: Registry[type] = Registry("head scorer")
+
+
+def register_scorer(cls: type) -> type:
+    """Class decorator: register a frozen scorer dataclass under its ``name``."""
+    if not dataclasses.is_dataclass(cls) or not getattr(cls, "name", ""):
+        raise TypeError(f"{cls.__name__} must be a dataclass with a class-level name")
+    SCORERS.register(cls.name, cls)
+    return cls
+
+
+@register_scorer
+@dataclass(frozen=True, kw_only=True)
+class Vertical:
+    """Share of rows whose argmax is a special token ([CLS] or any [SEP])."""
+
+    name: ClassVar[str] = "vertical"
+
+    def __call__(self, view: HeadView) -> Tensor:
+        return view.row_share(view.info.special)
+
+
+@register_scorer
+@dataclass(frozen=True, kw_only=True)
+class VerticalTLM:
+    """Share of rows whose argmax is a special token or "." (the TLM paper's criterion)."""
+
+    name: ClassVar[str] = "vertical_tlm"
+
+    def __call__(self, view: HeadView) -> Tensor:
+        return view.row_share(view.info.special | view.info.period)
+
+
+@register_scorer
+@dataclass(frozen=True, kw_only=True)
+class VerticalPASTA:
+    """Share of examples where >= cutoff of rows have their argmax at 0 or the last real token.
+
+    The PASTA code's ``is_vertical`` (count >= n * cutoff), with a 1e-6 slack so that float
+    products such as 0.7 * 10 = 7.000000000000001 do not flip the comparison.
+    """
+
+    name: ClassVar[str] = "vertical_pasta"
+    cutoff: float = 0.9  # share of rows that must point at the first or last token
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.cutoff <= 1.0:
+            raise ValueError(f"vertical_pasta cutoff must be in [0, 1], got {self.cutoff}")
+
+    def __call__(self, view: HeadView) -> Tensor:
+        ends = torch.zeros(view.n, dtype=torch.bool)
+        ends[[0, view.n - 1]] = True
+        count = view.row_share(ends) * view.n  # [h] rows pointing at an end
+        return (count >= self.cutoff * view.n - 1e-6).to(view.p.dtype)
+
+
+@register_scorer
+@dataclass(frozen=True, kw_only=True)
+class Diagonal:
+    """Share of rows whose argmax is the previous or the next token (i-1 or i+1)."""
+
+    name: ClassVar[str] = "diagonal"
+
+    def __call__(self, view: HeadView) -> Tensor:
+        return view.offset_share((-1, 1))
+
+
+@register_scorer
+@dataclass(frozen=True, kw_only=True)
+class Block:
+    """Share of rows whose argmax is a non-special token of the row's own segment.
+
+    Defined on pair inputs only: in a single segment it would count every non-special
+    argmax (diagonal and heterogeneous heads alike) and say nothing about segments, so
+    single-segment examples are left out of the mean; the score is NaN when no example
+    in the data is a pair.
+    """
+
+    name: ClassVar[str] = "block"
+
+    def __call__(self, view: HeadView) -> Tensor | None:
+        info = view.info
+        if not info.is_pair:
+            return None
+        same = info.segment[:, None] == info.segment[None, :]  # [n, n] query i, key j
+        target = (same & ~info.special[None, :]).to(view.p.dtype)  # [n, n]
+        return (view.top * target).sum(-1).mean(-1)
+
+
+@register_scorer
+@dataclass(frozen=True, kw_only=True)
+class Entropy:
+    """Mean row entropy in nats (Clark et al. 2019); log n for uniform rows, 0 for one-hot."""
+
+    name: ClassVar[str] = "entropy"
+
+    def __call__(self, view: HeadView) -> Tensor:
+        return torch.special.entr(view.p).sum(-1).mean(-1)
+
+
+@register_scorer
+@dataclass(frozen=True, kw_only=True)
+class SpecialMass:
+    """Mean attention mass a row puts on special tokens (Clark et al. 2019)."""
+
+    name: ClassVar[str] = "special_mass"
+
+    def __call__(self, view: HeadView) -> Tensor:
+        return view.p[..., view.info.special].sum(-1).mean(-1)
+
+
+@register_scorer
+@dataclass(frozen=True, kw_only=True)
+class PrevMass:
+    """Mean mass on the previous token, over rows 1..n-1 (row 0 has no previous token)."""
+
+    name: ClassVar[str] = "prev_mass"
+
+    def __call__(self, view: HeadView) -> Tensor | None:
+        if view.n < 2:
+            return None
+        return torch.diagonal(view.p, offset=-1, dim1=-2, dim2=-1).mean(-1)
+
+
+@register_scorer
+@dataclass(frozen=True, kw_only=True)
+class NextMass:
+    """Mean mass on the next token, over rows 0..n-2 (the last row has no next token)."""
+
+    name: ClassVar[str] = "next_mass"
+
+    def __call__(self, view: HeadView) -> Tensor | None:
+        if view.n < 2:
+            return None
+        return torch.diagonal(view.p, offset=1, dim1=-2, dim2=-1).mean(-1)
+
+
+DEFAULT_SCORERS: tuple[str, ...] = (
+    "vertical",
+    "vertical_tlm",
+    "vertical_pasta",
+    "diagonal",
+    "block",
+    "entropy",
+    "special_mass",
+    "prev_mass",
+    "next_mass",
+)
+
+ScorerSpec = str | Mapping[str, Any] | HeadScorer
+
+
+def build_scorer(spec: ScorerSpec) -> HeadScorer:
+    """``"vertical_pasta(cutoff=0.8)"``, ``{"name": "diagonal"}`` or an instance -> scorer."""
+    if isinstance(spec, str):
+        name, kwargs = parse_spec(spec)
+    elif isinstance(spec, Mapping):
+        kwargs = dict(spec)
+        if "name" not in kwargs:
+            raise RegistryError(f"scorer mapping {dict(spec)!r} needs a 'name' key")
+        name = kwargs.pop("name")
+    elif dataclasses.is_dataclass(spec) and getattr(spec, "name", None):
+        return spec
+    else:
+        raise TypeError(f"scorer spec must be a string, mapping or scorer, got {type(spec)}")
+    cls = SCORERS.get(name)
+    fields = [f.name for f in dataclasses.fields(cls)]
+    for key in kwargs:
+        if key not in fields:
+            hits = difflib.get_close_matches(key, fields, n=3, cutoff=0.5)
+            hint = f" Did you mean {', '.join(map(repr, hits))}?" if hits else ""
+            raise RegistryError(
+                f"unknown key {key!r} for head scorer {name!r}.{hint} "
+                f"Known keys: {', '.join(fields) or '(none)'}."
+            )
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise RegistryError(f"invalid {name} scorer: {e}") from None
+
+
+def scorer_label(scorer: HeadScorer) -> str:
+    """Table key: the bare name at default settings, else ``name(key=value, ...)``."""
+    changed = [
+        f"{f.name}={getattr(scorer, f.name)!r}"
+        for f in dataclasses.fields(scorer)
+        if getattr(scorer, f.name) != f.default
+    ]
+    return f"{scorer.name}({', '.join(changed)})" if changed else scorer.name
+
+
+# ----------------------------------------------------------------------------- accumulation
+
+Maps = Tensor | Sequence[Tensor] | Mapping[int, Tensor]
+
+
+def layer_list(maps: Maps) -> list[Tensor | None]:
+    """Normalise the accepted containers to per-layer [b, h, n, n] tensors (None: no maps)."""
+    if isinstance(maps, Tensor):
+        if maps.dim() != 5:
+            raise ValueError(
+                f"maps tensor must be [L, b, h, n, n], got shape {tuple(maps.shape)}; "
+                "pass a list of per-layer [b, h, n, n] tensors otherwise"
+            )
+        return list(maps.unbind(0))
+    if isinstance(maps, Mapping):
+        return [maps[k] for k in sorted(maps)]
+    return list(maps)
+
+
+def batch_shape(layers: list[Tensor | None]) -> tuple[int, int, int]:
+    """(b, h, n) shared by every layer that has maps; clear errors otherwise."""
+    present = [x for x in layers if x is not None]
+    if not present:
+        raise ValueError(
+            "no layer has attention probabilities (the capture returned None for every "
+            "layer: mechanisms such as linear attention never form the n x n map)"
+        )
+    if present[0].dim() != 4:
+        raise ValueError(f"layer maps must be [b, h, n, n], got {tuple(present[0].shape)}")
+    b, h, n, m = present[0].shape
+    for li, x in enumerate(layers):
+        if x is not None and (x.dim() != 4 or x.shape != (b, h, n, m)):
+            raise ValueError(
+                f"layer {li} maps have shape {tuple(x.shape)}; every layer must be "
+                f"[b, h, n, n] = {(b, h, n, m)}"
+            )
+    if n != m:
+        raise ValueError(f"head scores need self-attention maps (n == m), got n={n} m={m}")
+    return b, h, n
+
+
+class HeadScoreAccumulator:
+    """Streaming mean of per-example head scores over any number of batches.
+
+    Holds only float64 sums [L, h] and example counts [L] per scorer; ``update`` looks at
+    one example and one layer at a time, so memory stays at one batch's captured maps.
+    A layer whose maps are None (a mechanism that returns no probabilities) gets NaN.
+    """
+
+    def __init__(self, scorers: Sequence[ScorerSpec] = DEFAULT_SCORERS) -> None:
+        self.scorers = [build_scorer(s) for s in scorers]
+        self.labels = [scorer_label(s) for s in self.scorers]
+        if len(set(self.labels)) != len(self.labels):
+            raise ValueError(f"duplicate scorers: {self.labels}")
+        self._sums: dict[str, Tensor] = {}  # label -> [L, h] float64
+        self._counts: dict[str, Tensor] = {}  # label -> [L] examples in each layer's mean
+        self.shape: tuple[int, int] | None = None  # (L, h)
+        self.n_examples = 0
+
+    def update(self, maps: Maps, infos: Sequence[TokenInfo] | TokenInfo) -> None:
+        layers = layer_list(maps)
+        if isinstance(infos, TokenInfo):
+            infos = [infos]
+        b, h, n = batch_shape(layers)
+        if len(infos) != b:
+            raise ValueError(f"got {len(infos)} TokenInfo for a batch of {b} examples")
+        shape = (len(layers), h)
+        if self.shape is None:
+            self.shape = shape
+            self._sums = {k: torch.zeros(shape, dtype=torch.float64) for k in self.labels}
+            self._counts = {k: torch.zeros(shape[0], dtype=torch.long) for k in self.labels}
+        elif shape != self.shape:
+            raise ValueError(f"maps have (layers, heads) = {shape}, earlier batches {self.shape}")
+        for i, info in enumerate(infos):
+            if int(info.keep.max()) >= n:
+                raise ValueError(
+                    f"example {i}: TokenInfo.keep points past the map length {n}; "
+                    "build the infos from this batch's input_ids/attention_mask"
+                )
+            for l, x in enumerate(layers):
+                if x is None:
+                    continue
+                keep = info.keep.to(x.device)
+                p = x[i].index_select(-2, keep).index_select(-1, keep)  # [h, n_i, n_i]
+                view = HeadView(p.detach().float().cpu(), info)
+                for label, scorer in zip(self.labels, self.scorers, strict=True):
+                    val = scorer(view)  # [h], or None: not applicable to this example
+                    if val is not None:
+                        self._sums[label][l] += val.double()
+                        self._counts[label][l] += 1
+            self.n_examples += 1
+
+    def counts(self) -> dict[str, list[int]]:
+        """label -> examples that entered each layer's mean."""
+        return {k: v.tolist() for k, v in self._counts.items()}
+
+    def result(self) -> dict[str, Tensor]:
+        """label -> [L, h] float32 mean over examples; NaN where no example applied."""
+        if self.shape is None:
+            raise ValueError("no maps seen yet: call update() with at least one batch")
+        return {  # 0 / 0 -> NaN exactly where a layer saw no applicable example
+            k: (self._sums[k] / self._counts[k][:, None]).float() for k in self.labels
+        }
+
+
+def score_heads(
+    maps: Maps,
+    info: Sequence[TokenInfo] | TokenInfo,
+    scorers: Sequence[ScorerSpec] = DEFAULT_SCORERS,
+) -> dict[str, Tensor]:
+    """Scores of one batch: label -> [L, h] averaged over its examples."""
+    acc = HeadScoreAccumulator(scorers)
+    acc.update(maps, info)
+    return acc.result()
+
+
+# ----------------------------------------------------------------------------- classifier
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClassRule:
+    """Thresholds of the project's head classifier (Kovaleva et al. used a CNN on hand labels;
+    this is a transparent rule over argmax shares instead).
+
+    Checks, in this order, first match wins:
+      1. vertical          f_V >= vertical
+      2. diagonal          f_D >= diagonal
+      3. vertical+diagonal f_V + f_D >= mixed_total and f_V >= mixed_each and f_D >= mixed_each
+      4. block             f_B >= block (f_B is NaN, so never, without pair inputs)
+      5. heterogeneous     otherwise
+    A head with NaN f_V or f_D (its layer had no maps) is "n/a" (:data:`NO_CLASS`).
+    f_V, f_D, f_B are the ``vertical``, ``diagonal`` and ``block`` row shares. A row can count
+    for both V and D (row 1 pointing at [CLS] = i-1), so the order is what makes the result
+    deterministic; vertical goes first because [CLS]/[SEP] attention is the dominant pattern
+    PASTA builds on.
+    """
+
+    vertical: float = 0.9  # f_V threshold for "vertical"
+    diagonal: float = 0.9  # f_D threshold for "diagonal"
+    mixed_total: float = 0.9  # f_V + f_D threshold for "vertical+diagonal"
+    mixed_each: float = 0.2  # each of f_V, f_D at least this for "vertical+diagonal"
+    block: float = 0.9  # f_B threshold for "block" (pair inputs only)
+
+
+def classify_shares(
+    f_v: Tensor, f_d: Tensor, f_b: Tensor | None = None, rule: ClassRule | None = None
+) -> list[list[str]]:
+    """[L, h] shares -> class name per head (see :class:`ClassRule` for the order)."""
+    rule = rule or ClassRule()
+    if f_b is None:
+        f_b = torch.full_like(f_v, math.nan)
+    if not (f_v.shape == f_d.shape == f_b.shape) or f_v.dim() != 2:
+        raise ValueError("f_v, f_d and f_b must be [layers, heads] tables of one shape")
+    out: list[list[str]] = []
+    for l in range(f_v.shape[0]):
+        row = []
+        for h in range(f_v.shape[1]):
+            v, d, b = float(f_v[l, h]), float(f_d[l, h]), float(f_b[l, h])
+            if math.isnan(v) or math.isnan(d):
+                row.append(NO_CLASS)
+            elif v >= rule.vertical:
+                row.append("vertical")
+            elif d >= rule.diagonal:
+                row.append("diagonal")
+            elif v + d >= rule.mixed_total and v >= rule.mixed_each and d >= rule.mixed_each:
+                row.append("vertical+diagonal")
+            elif b >= rule.block:  # False for NaN
+                row.append("block")
+            else:
+                row.append("heterogeneous")
+        out.append(row)
+    return out
+
+
+def classify_heads(
+    scores: Mapping[str, Tensor],
+    rule: ClassRule | None = None,
+    *,
+    vertical: str = "vertical",
+    diagonal: str = "diagonal",
+    block: str = "block",
+) -> list[list[str]]:
+    """Classify every head from a score table; ``vertical="vertical_tlm"`` uses TLM's f_V."""
+    for key in (vertical, diagonal):
+        if key not in scores:
+            raise KeyError(
+                f"classify_heads needs the {key!r} score; include it in score_heads(scorers=...)"
+            )
+    return classify_shares(scores[vertical], scores[diagonal], scores.get(block), rule)
+
+
+def class_names(classes: Sequence[Sequence[str]]) -> list[str]:
+    """:data:`HEAD_CLASSES`, plus :data:`NO_CLASS` when a head has it; errors on others."""
+    seen = {c for row in classes for c in row}
+    bad = seen - {*HEAD_CLASSES, NO_CLASS}
+    if bad:
+        raise ValueError(f"unknown head class {sorted(bad)[0]!r}; known: {list(HEAD_CLASSES)}")
+    return [*HEAD_CLASSES, *([NO_CLASS] if NO_CLASS in seen else [])]
+
+
+def class_counts(classes: Sequence[Sequence[str]]) -> dict[str, list[int]]:
+    """class -> count per layer, over :func:`class_names` in order."""
+    return {c: [sum(x == c for x in row) for row in classes] for c in class_names(classes)}
+
+
+@dataclass
+class HeadAnalysis:
+    """What :func:`analyze_heads` returns: mean scores, example counts and classes."""
+
+    scores: dict[str, Tensor]  # label -> [L, h]
+    counts: dict[str, list[int]]  # label -> examples in each layer's mean
+    n_examples: int
+    classes: list[list[str]] | None  # None when vertical/diagonal scores were not asked for
+
+
+def analyze_heads(
+    maps: Iterable[Maps] | Iterable[tuple[Maps, Sequence[TokenInfo]]],
+    infos: Iterable[Sequence[TokenInfo]] | None = None,
+    *,
+    scorers: Sequence[ScorerSpec] = DEFAULT_SCORERS,
+    rule: ClassRule | None = None,
+) -> HeadAnalysis:
+    """Streaming head analysis over batches: ``maps`` and ``infos`` run in step, or ``maps``
+    yields ``(maps, infos)`` pairs when ``infos`` is None. Each batch's maps are dropped
+    after use, so a whole dev set fits in the memory of one batch."""
+    acc = HeadScoreAccumulator(scorers)
+    pairs = maps if infos is None else zip(maps, infos, strict=True)
+    for batch_maps, batch_infos in pairs:
+        acc.update(batch_maps, batch_infos)
+    scores = acc.result()
+    classes = None
+    if "vertical" in scores and "diagonal" in scores:
+        classes = classify_heads(scores, rule)
+    return HeadAnalysis(scores, acc.counts(), acc.n_examples, classes)

@@ -1,0 +1,314 @@
+"""Outputs on disk: atomic writes, head-score tables (CSV/JSON), and the one-file HTML report.
+
+The report is a single self-contained HTML file: figures are PNG data URIs, data is inline
+JSON, the JS and CSS come from ``templates/`` and are inlined, and a Content-Security-Policy
+forbids every fetch, so it opens offline from file:// or as a mail attachment and cannot leak
+a request. It shows the run's config and plan, its metrics, layer x head grids of the
+classes and of every score, and a head explorer: choose an example, a layer and a head, and
+see the attention map as a heatmap and as bertviz-style token-to-token lines.
+
+File size: each example stores L * H * n * n weights as integers in thousandths (3
+decimals), about 3 bytes each; the defaults (4 examples, <= 48 tokens, 6 x 12 heads) keep a
+report near 1-2 MB. Matplotlib is imported only when figures are drawn.
+"""
+
+from __future__ import annotations
+
+import base64
+import csv
+import html
+import io
+import json
+import math
+import os
+import re
+import uuid
+from collections.abc import Mapping, Sequence
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .heads import (
+    HEAD_CLASSES,
+    Maps,
+    TokenInfo,
+    batch_shape,
+    class_counts,
+    class_names,
+    layer_list,
+)
+
+MAX_REPORT_WEIGHTS = 4_000_000  # inline weights above this make a report too heavy to open
+
+
+# ----------------------------------------------------------------------------- files
+
+
+def write_atomic(path: str | os.PathLike[str], data: str | bytes) -> Path:
+    """Write through a temp file in the same folder and rename, so readers never see half."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    raw = data.encode("utf-8") if isinstance(data, str) else data
+    # A fresh name opened with "xb" (not mkstemp, whose 0600 mode would stick to the result)
+    # so the file gets the usual umask permissions.
+    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
+    try:
+        with open(tmp, "xb") as f:
+            f.write(raw)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+# ----------------------------------------------------------------------------- tables
+
+
+def _num(x: float) -> float | None:
+    return None if math.isnan(x) else round(x, 6)
+
+
+def _table_shape(scores: Mapping[str, Tensor]) -> tuple[int, int]:
+    shapes = {tuple(v.shape) for v in scores.values()}
+    if len(shapes) != 1 or len(next(iter(shapes))) != 2:
+        raise ValueError(f"scores must be [layers, heads] tables of one shape, got {shapes}")
+    return next(iter(shapes))  # type: ignore[return-value]
+
+
+def _score_lists(scores: Mapping[str, Tensor]) -> dict[str, list[list[float | None]]]:
+    return {k: [[_num(float(x)) for x in row] for row in v.tolist()] for k, v in scores.items()}
+
+
+def _check_class_table(classes: Sequence[Sequence[str]], shape: tuple[int, int]) -> None:
+    if len(classes) != shape[0] or any(len(r) != shape[1] for r in classes):
+        raise ValueError(f"classes must be a {shape[0]} x {shape[1]} table like the scores")
+    class_names(classes)  # names the first unknown class
+
+
+def to_json(
+    path: str | os.PathLike[str],
+    scores: Mapping[str, Tensor],
+    classes: Sequence[Sequence[str]] | None = None,
+    meta: Mapping[str, Any] | None = None,
+) -> Path:
+    """``{"layers", "heads", "scores": {label: [[...]]}, "classes", "meta"}``; NaN -> null."""
+    shape = _table_shape(scores)
+    if classes is not None:
+        _check_class_table(classes, shape)
+    doc = {
+        "layers": shape[0],
+        "heads": shape[1],
+        "scores": _score_lists(scores),
+        "classes": [list(r) for r in classes] if classes is not None else None,
+        "meta": dict(meta) if meta else {},
+    }
+    return write_atomic(path, json.dumps(doc, indent=1, default=str) + "\n")
+
+
+def read_json(path: str | os.PathLike[str]) -> tuple[dict[str, Tensor], list[list[str]] | None]:
+    """Inverse of :func:`to_json`: (scores, classes); null -> NaN."""
+    doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    scores = {
+        k: torch.tensor([[math.nan if x is None else x for x in row] for row in v])
+        for k, v in doc["scores"].items()
+    }
+    return scores, doc.get("classes")
+
+
+def to_csv(
+    path: str | os.PathLike[str],
+    scores: Mapping[str, Tensor],
+    classes: Sequence[Sequence[str]] | None = None,
+) -> Path:
+    """One row per head: layer, head, one column per score, then class; NaN -> empty."""
+    L, H = _table_shape(scores)
+    if classes is not None:
+        _check_class_table(classes, (L, H))
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(["layer", "head", *scores, *(["class"] if classes is not None else [])])
+    for l in range(L):
+        for h in range(H):
+            vals = [_num(float(v[l, h])) for v in scores.values()]
+            row = [l, h, *("" if x is None else x for x in vals)]
+            w.writerow(row + ([classes[l][h]] if classes is not None else []))
+    return write_atomic(path, buf.getvalue())
+
+
+# ----------------------------------------------------------------------------- the report
+
+
+def _template(name: str) -> str:
+    return resources.files("attnlab.analysis").joinpath("templates", name).read_text("utf-8")
+
+
+def _script_json(obj: Any) -> str:
+    """JSON safe inside <script>: no "</script>", "<!--" or "&" can end or bend the block."""
+    text = json.dumps(obj, separators=(",", ":"), allow_nan=False, default=str)
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+
+
+def _pretty(obj: Any) -> str:
+    return html.escape(json.dumps(obj, indent=2, default=str, sort_keys=False))
+
+
+def _flatten(obj: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    if isinstance(obj, Mapping):
+        out: list[tuple[str, Any]] = []
+        for k, v in obj.items():
+            out += _flatten(v, f"{prefix}.{k}" if prefix else str(k))
+        return out
+    return [(prefix, obj)]
+
+
+def _metrics_html(metrics: Mapping[str, Any] | None) -> str:
+    if not metrics:
+        return '<p class="empty">No metrics given.</p>'
+    rows = []
+    for key, val in _flatten(metrics):
+        shown = f"{val:.4g}" if isinstance(val, float) else json.dumps(val, default=str)
+        rows.append(f"<tr><th>{html.escape(key)}</th><td>{html.escape(shown)}</td></tr>")
+    return f'<table class="metrics">{"".join(rows)}</table>'
+
+
+def _data_uri(item: Any) -> str:
+    """A matplotlib Figure, or a path to a .png/.svg file -> base64 data URI."""
+    if isinstance(item, (str, os.PathLike)):
+        path = Path(item)
+        mime = {".png": "image/png", ".svg": "image/svg+xml"}.get(path.suffix.lower())
+        if mime is None:
+            raise ValueError(f"report figures must be .png or .svg files, got {path}")
+        raw = path.read_bytes()
+    else:
+        from .plots import figure_bytes
+
+        mime, raw = "image/png", figure_bytes(item, "png", dpi=100)
+    return f"data:{mime};base64,{base64.b64encode(raw).decode('ascii')}"
+
+
+def _figures_html(figures: Mapping[str, Any]) -> str:
+    if not figures:
+        return '<p class="empty">No figures.</p>'
+    parts = [
+        f'<figure class="static"><img alt="{html.escape(name)}" src="{_data_uri(fig)}">'
+        f"<figcaption>{html.escape(name)}</figcaption></figure>"
+        for name, fig in figures.items()
+    ]
+    return "".join(parts)
+
+
+def _example_data(ex: Mapping[str, Any], shape: tuple[int, int], max_tokens: int, k: int):
+    tokens = [str(t) for t in ex["tokens"]]
+    maps = torch.as_tensor(ex["maps"]).detach().float().cpu()
+    L, H = shape
+    if maps.dim() != 4 or tuple(maps.shape[:2]) != shape or maps.shape[2] != maps.shape[3]:
+        raise ValueError(
+            f"example {k}: maps must be [L, H, n, n] = [{L}, {H}, n, n] (cropped to the real "
+            f"tokens), got {tuple(maps.shape)}"
+        )
+    n = maps.shape[-1]
+    if len(tokens) != n:
+        raise ValueError(f"example {k}: {len(tokens)} tokens for maps over {n} positions")
+    shown = min(n, max_tokens)
+    ints = (maps[:, :, :shown, :shown] * 1000).round().clamp(0, 1000).to(torch.int16)
+    return {
+        "tokens": tokens[:shown],
+        "n": shown,
+        "total": n,
+        "maps": ints.flatten().tolist(),  # index ((layer * H + head) * n + query) * n + key
+    }
+
+
+def example_maps(
+    maps: Maps, infos: Sequence[TokenInfo], limit: int | None = None
+) -> list[dict[str, Any]]:
+    """Per-example ``{"tokens", "maps": [L, h, n_i, n_i]}`` cropped to the real tokens: the
+    ``examples`` argument of ``build_report`` (tokens are "0", "1", ... without strings)."""
+    layers = layer_list(maps)
+    batch_shape(layers)
+    if any(x is None for x in layers):
+        raise ValueError("example_maps needs maps for every layer; some layers are None")
+    out = []
+    for i, info in enumerate(infos[:limit]):
+        keep = info.keep.to(layers[0].device)
+        crop = [x[i].index_select(-2, keep).index_select(-1, keep) for x in layers]
+        toks = list(info.tokens) if info.tokens else [str(k) for k in range(info.length)]
+        out.append({"tokens": toks, "maps": torch.stack(crop).detach().float().cpu()})
+    return out
+
+
+def build_report(
+    out_path: str | os.PathLike[str],
+    *,
+    title: str,
+    config: Mapping[str, Any] | None = None,
+    plan: Any = None,
+    metrics: Mapping[str, Any] | None = None,
+    scores: Mapping[str, Tensor],
+    classes: Sequence[Sequence[str]] | None = None,
+    examples: Sequence[Mapping[str, Any]] = (),
+    figures: Mapping[str, Any] | None = None,
+    max_examples: int = 4,
+    max_tokens: int = 48,
+) -> Path:
+    """Write one self-contained HTML report; returns its path.
+
+    ``scores``: label -> [L, H]; ``classes``: L x H class names (or None);
+    ``examples``: dicts ``{"tokens": [...], "maps": [L, H, n, n]}`` already cropped to the
+    real tokens; the first ``max_examples`` are kept, each shown up to ``max_tokens`` tokens.
+    ``figures``: extra name -> matplotlib Figure or .png/.svg path; the class map and the
+    per-layer class counts are added when ``classes`` is given.
+    """
+    if not scores:
+        raise ValueError("build_report needs at least one score table (scores={...})")
+    shape = _table_shape(scores)
+    if classes is not None:
+        _check_class_table(classes, shape)
+    kept = list(examples)[:max_examples]
+    ex_data = [_example_data(ex, shape, max_tokens, k) for k, ex in enumerate(kept)]
+    n_weights = sum(len(e["maps"]) for e in ex_data)
+    if n_weights > MAX_REPORT_WEIGHTS:
+        raise ValueError(
+            f"the examples hold {n_weights:,} weights (> {MAX_REPORT_WEIGHTS:,}); "
+            "lower max_examples or max_tokens to keep the report small enough to open"
+        )
+    all_figures: dict[str, Any] = {}
+    if classes is not None:
+        from .plots import class_count_bars, class_map
+
+        all_figures["head classes"] = class_map(classes)
+        all_figures["classes per layer"] = class_count_bars(classes)
+    all_figures.update(figures or {})
+    data = {
+        "title": title,
+        "layers": shape[0],
+        "heads": shape[1],
+        "scale": 1000,
+        "scores": _score_lists(scores),
+        "classes": [list(r) for r in classes] if classes is not None else None,
+        "classNames": class_names(classes) if classes is not None else list(HEAD_CLASSES),
+        "classCounts": class_counts(classes) if classes is not None else None,
+        "examples": ex_data,
+    }
+    from .plots import CLASS_ABBREV, CLASS_COLORS
+
+    data["classColors"] = CLASS_COLORS
+    data["classAbbrev"] = CLASS_ABBREV
+    values = {
+        "TITLE": html.escape(title),
+        "CSS": _template("report.css"),
+        "JS": _template("report.js"),
+        "CONFIG": _pretty(config) if config else "(no config given)",
+        "PLAN": _pretty(plan) if plan else "(no plan: every head is softmax attention)",
+        "METRICS": _metrics_html(metrics),
+        "FIGURES": _figures_html(all_figures),
+        "DATA": _script_json(data),
+    }
+    page = re.sub(r"\{\{([A-Z]+)\}\}", lambda m: values[m.group(1)], _template("report.html"))
+    return write_atomic(out_path, page)
