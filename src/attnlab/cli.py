@@ -10,6 +10,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from .cli_analyze import analyze_app, report
+
 app = typer.Typer(
     help="attnlab: attention mechanisms in any head of any Hugging Face encoder.",
     no_args_is_help=True,
@@ -17,6 +19,8 @@ app = typer.Typer(
 )
 bench_app = typer.Typer(help="Speed and memory benchmarks (CPU; GPU when present).")
 app.add_typer(bench_app, name="bench")
+app.add_typer(analyze_app, name="analyze")
+app.command("report")(report)
 console = Console()
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the embedded model never needs the network

@@ -268,7 +268,9 @@ def test_report_renders(tiny_bert):
 
     console = Console(width=120, record=True)
     console.print(report)
-    assert "linear_elu#2" in console.export_text()
+    text = console.export_text()  # compact grid: one letter per spec, then the legend
+    assert "B = linear_elu(eps=0.1, chunk=64)  (1 heads)" in text
+    assert "    0  A   B   A   A" in text
 
 
 # ------------------------------------------------------------------------------ families

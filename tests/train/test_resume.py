@@ -7,7 +7,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import attnlab.tuning.full  # noqa: F401  (until attnlab.tuning registers)
 from attnlab.config import load_config
 from attnlab.recipes.finetune import run_experiment
 

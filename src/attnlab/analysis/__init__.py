@@ -1,4 +1,5 @@
-"""Head analysis: scorers and classifier (heads), figures (plots), tables and report (report).
+"""Head analysis: token info (tokens), scorers and classifier (heads), figures (plots),
+tables and report (report).
 
 Importing this package loads torch only; matplotlib loads when a figure is first drawn
 (``from attnlab.analysis import plots``, or ``build_report``).
@@ -14,7 +15,6 @@ from .heads import (
     HeadScoreAccumulator,
     HeadScorer,
     HeadView,
-    TokenInfo,
     analyze_heads,
     build_scorer,
     class_counts,
@@ -23,9 +23,9 @@ from .heads import (
     classify_shares,
     register_scorer,
     score_heads,
-    token_infos,
 )
 from .report import build_report, example_maps, read_json, to_csv, to_json, write_atomic
+from .tokens import TokenInfo, token_infos
 
 __all__ = [
     "DEFAULT_SCORERS",

@@ -216,6 +216,29 @@ def read_summary(run_dir: str | Path) -> dict[str, Any]:
 
 def evaluate_run(run_dir: str | Path, data_dir: str | None = None) -> dict[str, float]:
     """Rebuild a finished run from its config, plan and tuned weights; evaluate on dev."""
+    from ..tasks import get_task
+
+    model, tok, cfg = load_run_model(run_dir)
+    task = get_task(cfg.task.name)
+    d = data_dir if data_dir is not None else cfg.task.data_dir
+    eval_splits = eval_splits_of(cfg, task)
+    splits = {}
+    for s in eval_splits:
+        ex = task.load(s, d)[: cfg.task.eval_limit]
+        splits[s] = (ex, task.encode(ex, tok, cfg.model.max_length))
+    evaluate = make_evaluator(task, splits, tok, cfg.seed, cfg.eval.batch_size)
+    with torch.no_grad():
+        return evaluate(model)
+
+
+def load_run_model(run_dir: str | Path) -> tuple[torch.nn.Module, Any, ExperimentConfig]:
+    """(model, tokenizer, config) of a finished run, rebuilt in eval mode.
+
+    The run's config.yaml rebuilds the architecture with the task's head, the plan is
+    re-applied, the tuner re-wraps the model, and ``tuned.safetensors`` fills in the trained
+    weights, so the model computes exactly what the run evaluated. Shared by ``attnlab eval``,
+    ``attnlab analyze heads`` and ``attnlab report``.
+    """
     from ..config import load_config
     from ..hf.plan import Plan
     from ..hf.surgery import apply_plan
@@ -235,12 +258,4 @@ def evaluate_run(run_dir: str | Path, data_dir: str | None = None) -> dict[str, 
     model = tuner.apply(model, tcfg, task=TaskInfo.from_tokenizer(tok, task_kind(task)))
     load_tuned_file(model, tuner, weights)
     model.eval()
-    d = data_dir if data_dir is not None else cfg.task.data_dir
-    eval_splits = eval_splits_of(cfg, task)
-    splits = {}
-    for s in eval_splits:
-        ex = task.load(s, d)[: cfg.task.eval_limit]
-        splits[s] = (ex, task.encode(ex, tok, cfg.model.max_length))
-    evaluate = make_evaluator(task, splits, tok, cfg.seed, cfg.eval.batch_size)
-    with torch.no_grad():
-        return evaluate(model)
+    return model, tok, cfg
