@@ -1,0 +1,265 @@
+"""Jump Self-attention: the exact n^3-free layer against the official n^3 form, on CPU.
+
+What is compared: one JAT layer of ``jat_heads`` heads (``jat(rho=..)``, adjacency
+"auto": exact counts by sorted ranges, J as sum_m (A^m Q)(A^m K)^T) against the same layer
+with ``adjacency="naive"``, a line-by-line port of the official ``get_attn_adj`` (B_k as a
+[b, h, n, n, n] tensor) and the official propagation (A Q) K^T A^T. Both give the same
+A_hat bit for bit (tests/mechanisms/test_jat.py).
+
+Method (why it is done this way):
+
+* Every (form, n) measurement runs in a fresh Python subprocess. PyTorch has no CPU
+  allocator statistics, so peak memory is the process's resident-set high-water mark
+  ``resource.getrusage(RUSAGE_SELF).ru_maxrss`` after the call minus the same value just
+  before it (after creating the inputs and a warm-up on a tiny input that loads kernels
+  and thread pools). A fresh process makes the high-water mark belong to this call alone;
+  it counts everything the call touches, so it is an upper bound on tensor memory.
+* In the subprocess: forward peak (under ``torch.no_grad``), then forward+backward peak
+  (loss = sum of outputs; gradients of q, k, v), then timings: the median of ``repeats``
+  calls for each (the memory runs serve as warm-up).
+* Inputs: q, k, v ~ N(0, scale^2), fp32, eval mode (no dropout). With scale 2.5 and
+  rho = 5 at d = 64 about 1-2% of the (i, j, k) triples are jump links, the sparse regime
+  the threshold is meant for; the table reports the measured fraction.
+* The naive form runs only where its estimated peak (``_NAIVE_BYTES`` per element of the
+  n^3 tensor) fits in ``naive_limit_gb``; larger n are listed as skipped.
+
+Run: ``python -m attnlab.bench.jat`` (``--help`` for options).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+# Peak of the official get_attn_adj per element of its [b, h, n, n, n] tensor: measured
+# 774 MB for 100.7 M elements (n = 128, b = 8, h = 6), i.e. ~7.7 bytes (a float32 result and
+# its quotient briefly alive together, plus bool masks).
+_NAIVE_BYTES = 8
+
+
+def naive_peak_gb(n: int, batch: int, heads: int) -> float:
+    """Estimated peak of the official n^3 adjacency, in GB."""
+    return _NAIVE_BYTES * batch * heads * n**3 / 1e9
+
+
+def measure(
+    form: str, n: int, batch: int = 8, heads: int = 6, head_dim: int = 64, repeats: int = 3,
+    rho: float = 5.0, scale: float = 2.5, threads: int | None = None,
+) -> dict[str, Any]:
+    """One measurement in *this* process (call it in a fresh one for a valid peak memory).
+
+    form: "efficient" or "naive". Returns fwd_ms, fwdbwd_ms, peak_fwd_mb, peak_mem_mb and,
+    for the efficient form, link_fraction (jump links / (b h n^3)) and count_method.
+    """
+    import resource
+
+    import torch
+
+    import attnlab
+    from attnlab.mechanisms import _jat_adjacency as adj
+
+    if threads:
+        torch.set_num_threads(threads)
+    adjacency = "naive" if form == "naive" else "auto"
+    mech = attnlab.build_mechanism(
+        f"jat(rho={rho}, adjacency={adjacency!r})", attnlab.HeadDims(heads, head_dim)
+    ).eval()
+    ctx = attnlab.AttnContext()
+
+    def make(length: int):
+        g = torch.Generator().manual_seed(0)
+        shape = (batch, heads, length, head_dim)
+        return [(torch.randn(shape, generator=g) * scale).requires_grad_() for _ in range(3)]
+
+    def fwd(q, k, v):
+        with torch.no_grad():
+            mech(q, k, v, ctx)
+
+    def fwdbwd(q, k, v):
+        mech(q, k, v, ctx).out.sum().backward()
+
+    def maxrss_mb() -> float:
+        unit = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit / 2**20
+
+    small = make(16)
+    fwd(*small)
+    fwdbwd(*small)  # warm-up: kernels, thread pools, allocator
+    q, k, v = make(n)
+    base = maxrss_mb()
+    fwd(q, k, v)
+    peak_fwd = maxrss_mb() - base
+    fwdbwd(q, k, v)
+    peak_all = maxrss_mb() - base
+
+    def median_ms(fn) -> float:
+        times = []
+        for _ in range(repeats):
+            for t in (q, k, v):
+                t.grad = None
+            start = time.perf_counter()
+            fn(q, k, v)
+            times.append((time.perf_counter() - start) * 1000)
+        return sorted(times)[len(times) // 2]
+
+    out: dict[str, Any] = {
+        "fwd_ms": median_ms(fwd),
+        "fwdbwd_ms": median_ms(fwdbwd),
+        "peak_fwd_mb": peak_fwd,
+        "peak_mem_mb": peak_all,
+    }
+    if form != "naive":  # how sparse the links were, and which exact counter ran
+        with torch.no_grad():
+            x = (q @ k.transpose(-1, -2)).reshape(-1, n, n)[:1]  # one head is enough
+            p, prefix, _ = adj._boundaries(x, adj.key_length(k).reshape(-1, n)[:1],
+                                           head_dim, rho, False)
+            links = int(adj._lengths(p, prefix, None, n).sum())
+            listed = adj._enum_size(p, prefix, None, n)
+        out["link_fraction"] = links / n**3
+        out["count_method"] = "enumerate" if listed <= adj._ENUM_FRACTION * n**3 else "compare"
+    return out
+
+
+def _child() -> None:
+    """Subprocess entry: prints one JSON line."""
+    print(json.dumps(measure(**json.loads(sys.argv[1]))))
+
+
+def _measure_in_subprocess(**kwargs: Any) -> dict[str, Any]:
+    code = "from attnlab.bench.jat import _child; _child()"
+    res = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(kwargs)], capture_output=True, text=True,
+        check=False,
+    )
+    if res.returncode != 0:
+        raise RuntimeError(f"benchmark subprocess failed for {kwargs}:\n{res.stderr[-2000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def bench_jat(
+    lengths: tuple[int, ...] = (128, 256, 512, 1024),
+    batch: int = 8,
+    jat_heads: int = 6,
+    head_dim: int = 64,
+    repeats: int = 3,
+    *,
+    rho: float = 5.0,
+    scale: float = 2.5,
+    naive_limit_gb: float = 8.0,
+    threads: int | None = None,
+    progress: bool = False,
+) -> list[dict[str, Any]]:
+    """Time and peak memory of the efficient JAT layer vs the official n^3 form.
+
+    Returns one row per (n, form): n, form, fwd_ms, fwdbwd_ms, peak_fwd_mb, peak_mem_mb
+    (None when skipped), note, and for the efficient rows link_fraction, count_method and
+    fwd_speedup / fwdbwd_speedup / mem_ratio against the naive form at the same n (None
+    when the naive form was skipped).
+    """
+    common = dict(batch=batch, heads=jat_heads, head_dim=head_dim, repeats=repeats, rho=rho,
+                  scale=scale, threads=threads)
+    rows: list[dict[str, Any]] = []
+    for n in lengths:
+        for form in ("naive", "efficient"):
+            row: dict[str, Any] = {"n": n, "form": form, "note": ""}
+            est = naive_peak_gb(n, batch, jat_heads)
+            if form == "naive" and est > naive_limit_gb:
+                note = f"skipped: n^3 tensor needs ~{est:.0f} GB (limit {naive_limit_gb:g} GB)"
+                row.update(fwd_ms=None, fwdbwd_ms=None, peak_fwd_mb=None, peak_mem_mb=None,
+                           note=note)
+            else:
+                row.update(_measure_in_subprocess(form=form, n=n, **common))
+            rows.append(row)
+            if progress:
+                print(f"done {form} n={n}", file=sys.stderr, flush=True)
+    naive = {r["n"]: r for r in rows if r["form"] == "naive" and r["fwd_ms"] is not None}
+    for r in rows:
+        ref = naive.get(r["n"])
+        if r["form"] == "efficient":
+            r["fwd_speedup"] = ref["fwd_ms"] / r["fwd_ms"] if ref else None
+            r["fwdbwd_speedup"] = ref["fwdbwd_ms"] / r["fwdbwd_ms"] if ref else None
+            r["mem_ratio"] = (
+                r["peak_mem_mb"] / max(ref["peak_mem_mb"], 1e-9) if ref else None
+            )
+    return rows
+
+
+def _num(x: float | None, fmt: str) -> str:
+    return "—" if x is None else format(x, fmt)
+
+
+def _ratio(x: float | None, fmt: str) -> str:
+    return "—" if x is None else format(x, fmt) + "x"
+
+
+def format_markdown(rows: list[dict[str, Any]]) -> str:
+    """The rows as a Markdown table (speed-ups and memory ratio against naive at that n)."""
+    head = (
+        "| n | form | fwd ms | fwd+bwd ms | peak MB fwd | peak MB fwd+bwd | links | counter "
+        "| fwd speed-up | fwd+bwd speed-up | memory vs naive | note |\n"
+        "|---:|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---|\n"
+    )
+    body = ""
+    for r in rows:
+        eff = r["form"] == "efficient"
+        body += (
+            f"| {r['n']} | {r['form']} | {_num(r['fwd_ms'], '.0f')} "
+            f"| {_num(r['fwdbwd_ms'], '.0f')} | {_num(r['peak_fwd_mb'], '.0f')} "
+            f"| {_num(r['peak_mem_mb'], '.0f')} "
+            f"| {_num(r.get('link_fraction'), '.2%') if eff else ''} "
+            f"| {r.get('count_method', '') if eff else ''} "
+            f"| {_ratio(r.get('fwd_speedup'), '.1f') if eff else ''} "
+            f"| {_ratio(r.get('fwdbwd_speedup'), '.1f') if eff else ''} "
+            f"| {_ratio(r.get('mem_ratio'), '.2f') if eff else ''} | {r['note']} |\n"
+        )
+    return head + body
+
+
+def environment() -> dict[str, Any]:
+    """What the numbers depend on: versions, threads, cores, load."""
+    import platform
+
+    import torch
+
+    return {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpus": os.cpu_count(),
+        "cpu": platform.processor() or platform.machine(),
+        "loadavg": os.getloadavg() if hasattr(os, "getloadavg") else None,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[128, 256, 512, 1024])
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--jat-heads", type=int, default=6)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--rho", type=float, default=5.0)
+    ap.add_argument("--scale", type=float, default=2.5, help="std of the random q, k, v")
+    ap.add_argument("--naive-limit-gb", type=float, default=8.0)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    args = ap.parse_args(argv)
+    env_before = {**environment(), "threads": args.threads or environment()["threads"]}
+    rows = bench_jat(
+        tuple(args.lengths), args.batch, args.jat_heads, args.head_dim, args.repeats,
+        rho=args.rho, scale=args.scale, naive_limit_gb=args.naive_limit_gb,
+        threads=args.threads, progress=True,
+    )
+    print(format_markdown(rows))
+    print(f"environment: {env_before}; load after: {environment()['loadavg']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"environment": env_before, "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

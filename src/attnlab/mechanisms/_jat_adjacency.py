@@ -1,0 +1,402 @@
+"""Jump-link counts and the GCN adjacency of Jump Self-attention, without the n^3 tensor.
+
+The official JAT code (github zhouhaoyi/JAT2022, ``get_attn_adj``) builds, per head, the
+jump strength of every pair of queries (i, j) through every key k,
+
+    U_k[i, j] = ((S[i, k] * S[j, k]) / len_k) / d,      len_k = max(||K_k||_2, 1),
+
+as a [b, h, n, n, n] tensor (zeroed where both scores are negative when ``sign``), keeps
+B_k = 1[U_k >= rho] and averages over k. Here the same integer counts
+C[i, j] = sum_k B_k[i, j] are computed exactly, bit for bit, in O(n^2 log n + min(E, n^3))
+time and O(n^2) memory, where E is the number of jump links.
+
+Why it is exact. For a fixed key k and query i, write a = S[i, k]. The strength, computed
+with the very same float expression as the official code (``jump_strength``), is a
+monotone function of b = S[j, k]: rounding is monotone, the divisors are positive, and the
+``sign`` rule only moves values to 0 in the direction the monotonicity already goes. So,
+with column k sorted, the j that pass the threshold form a suffix of the sorted column
+(a > 0) or a prefix (a <= 0). Every boundary is decided *by the exact float predicate
+itself*: ranges that are empty or full are settled at the two ends of the sorted column;
+for the rest the position of the real-number threshold rho * d * len_k / a is only a
+guess, kept where the predicate confirms it on both sides, and the few it misses (ties,
+last-ulp rounding) get a binary search on the predicate. So ties at the threshold and
+rounding are decided exactly as the naive form decides them.
+
+Counting the links from the ranges has two exact back ends:
+
+* ``enumerate``: list every j of every range (or of its complement, whichever is shorter)
+  and ``bincount`` them; O(E) with E <= n^3 / 2. Fast when links are sparse, which is
+  the regime the threshold rho is meant for.
+* ``compare``: compare each key's rank of j against the range bound: n^3 one-byte
+  comparisons in cache-sized blocks; O(n^3) time with a small constant, O(n^2) memory.
+* ``auto`` picks ``enumerate`` when it lists fewer than ``_ENUM_FRACTION`` * n^3 entries.
+
+Non-finite scores: NaN counts as 0 (as in the official code). The guarantee is for finite
+scores and keys: with an infinite score the official strength of a zero score is
+0 * inf = NaN, which no sorted range can express (seen in a check, not handled).
+
+Shape glossary: g = flattened batch x heads, n = length (queries = keys = nodes).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+import torch
+
+CountMethod = Literal["auto", "enumerate", "compare"]
+
+# ``auto`` enumerates links when that lists fewer entries than this fraction of n^3:
+# measured on one core, a listed entry costs 12-18 ns and a comparison 0.7-0.9 ns.
+_ENUM_FRACTION = 0.05
+# Entries per enumeration chunk (int64 arrays of this length are the peak memory).
+_ENUM_CHUNK = 1 << 22
+# Elements per comparison chunk ([rows, n, n] bool).
+_CMP_CHUNK = 1 << 19
+# Score entries (g x n x n) handled per group of heads; bounds the working memory.
+_GROUP = 1 << 22
+# Use numpy for sorting and listing on CPU (faster; same integers). Tests switch it off to
+# check the torch path that other devices take.
+_NUMPY_ON_CPU = True
+
+
+def key_length(k: torch.Tensor) -> torch.Tensor:
+    """len_k = max(||K_k||_2, 1) per key, from k [..., n, d] -> [..., n] (detached)."""
+    return torch.clamp_min(torch.linalg.vector_norm(k.detach(), dim=-1), 1.0)
+
+
+def jump_strength(
+    a: torch.Tensor, b: torch.Tensor, key_len: torch.Tensor, head_dim: int, sign: bool
+) -> torch.Tensor:
+    """U = ((a * b) / len_k) / d, the official expression and evaluation order.
+
+    ``sign``: zero where both a and b are negative (the official ``jat_sgn``). Every
+    threshold decision in this module goes through this function, so the fast path and
+    the naive path round identically.
+    """
+    u = a * b / key_len / head_dim
+    if sign:
+        u = torch.where((a < 0) & (b < 0), torch.zeros((), dtype=u.dtype), u)
+    return u
+
+
+def _clean(scores: torch.Tensor) -> torch.Tensor:
+    s = scores.detach()
+    return torch.where(torch.isnan(s), torch.zeros((), dtype=s.dtype), s)
+
+
+# ------------------------------------------------------------------------ naive reference
+
+
+def naive_jump_counts(
+    scores: torch.Tensor,
+    key_len: torch.Tensor,
+    head_dim: int,
+    rho: float,
+    sign: bool = False,
+    valid: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The official n^3 form: sum_k B_k as int64 [..., n, n] (the oracle of jump_counts).
+
+    scores [..., n, n] (queries x keys), key_len [..., n], valid [..., n] bool or None
+    (False = padding: excluded as key k and as row/column i, j).
+    """
+    x = _clean(scores)
+    prod = torch.einsum("...yk,...zk->...kyz", x, x)  # [..., k, n, n]
+    u = prod / key_len[..., :, None, None]
+    if sign:
+        neg = (x < 0).int()
+        both = torch.einsum("...yk,...zk->...kyz", neg, neg).bool()
+        u = u.masked_fill(both, 0.0)
+    u = u / head_dim
+    links = u >= rho  # B_k [..., k, n, n]
+    if valid is not None:
+        links = links & valid[..., :, None, None] & valid[..., None, :, None]
+        links = links & valid[..., None, None, :]
+    return links.sum(-3)
+
+
+def naive_adjacency(
+    scores: torch.Tensor, k: torch.Tensor, rho: float, sign: bool = False
+) -> torch.Tensor:
+    """Line-by-line port of the official ``get_attn_adj`` ([b, h, n, n, n] memory).
+
+    Kept as the benchmark's baseline and a second oracle; no padding option (the official
+    code has none).
+    """
+    a2 = _clean(scores)
+    bs, he, lq, lk = a2.shape
+    len_key = torch.clamp_min(torch.linalg.vector_norm(k.detach(), dim=-1, keepdim=True), 1.0)
+    ak2 = torch.einsum("bhyk,bhzk->bhkyz", a2, a2) / len_key.unsqueeze(-1)
+    if sign:
+        sgn = (a2 < 0).int()
+        ak2[torch.einsum("bhyk,bhzk->bhkyz", sgn, sgn).bool()] = 0
+    ak2 = ak2 / k.shape[-1]
+    index_1 = ak2 >= rho
+    ak2[ak2 < rho] = 0
+    ak2[index_1] = 1
+    a2 = torch.mean(ak2, dim=2)
+    dev = a2.device
+    diag = torch.arange(lk, device=dev)
+    a2[torch.arange(bs, device=dev)[:, None, None], torch.arange(he, device=dev)[None, :, None],
+       torch.arange(lq, device=dev)[None, None, :], diag] = 1
+    deg = a2.sum(-1)
+    deg[deg <= 1e-4] = 1e-4
+    dinv = torch.reciprocal(torch.sqrt(deg)).unsqueeze(-1)
+    return torch.mul(torch.mul(dinv, a2), dinv.transpose(-1, -2))
+
+
+# ----------------------------------------------------------------------- exact fast path
+
+
+def _sort_rows(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, indices) of ``a`` sorted along the last axis.
+
+    On CPU, fp32/fp64 go through numpy's SIMD argsort (~10 ns per element on AVX-512
+    against ~100 ns for ``torch.sort``). Order among equal values is irrelevant here: a
+    range boundary never falls inside a run of equal values.
+    """
+    if _NUMPY_ON_CPU and a.device.type == "cpu" and a.dtype in (torch.float32, torch.float64):
+        perm = torch.from_numpy(np.argsort(a.numpy(), axis=-1))
+        return a.gather(-1, perm), perm
+    return a.sort(dim=-1)
+
+
+def _boundaries(
+    x: torch.Tensor, key_len: torch.Tensor, head_dim: int, rho: float, sign: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Exact range boundary per (g, k, i).
+
+    x [g, n, n] scores (rows i, columns k), key_len [g, n]. Returns
+    (p [g, k, i] int64, prefix [g, k, i] bool, perm [g, k, t]): the j linked to i through k
+    are the sorted positions [p, n) of column k when not prefix, [0, p) when prefix;
+    perm[g, k, t] is the row j at sorted position t of column k.
+
+    The exact predicate is first evaluated at both ends of each sorted column: a range that
+    is empty or full is settled there. For the rest, the position of the real-number
+    threshold is a guess that is kept only where the exact predicate confirms it on both
+    sides; the few it misses (ties, last-ulp rounding) get a binary search on the exact
+    predicate. Every decision is the exact predicate's, whatever the guess.
+    """
+    g, n, _ = x.shape
+    a = x.transpose(1, 2).contiguous()  # [g, k, i]: a[g, k, i] = S[i, k]
+    col, perm = _sort_rows(a)  # [g, k, t] column k ascending, and its rows
+    prefix = a <= 0  # a <= 0: strength non-increasing in b, links form a prefix
+    lk = key_len[:, :, None]  # [g, k, 1]
+    # f(t) = link(i, j at sorted position t) XOR prefix is non-decreasing in t; the
+    # boundary p is the first t with f(t) true (n if none).
+    f_lo = (jump_strength(a, col[..., :1], lk, head_dim, sign) >= rho) ^ prefix
+    f_hi = (jump_strength(a, col[..., -1:], lk, head_dim, sign) >= rho) ^ prefix
+    p = torch.where(f_lo, 0, n)  # f true everywhere -> 0; false everywhere -> n
+    idx = (f_hi & ~f_lo).view(-1).nonzero().squeeze(-1)  # boundary strictly inside
+    if idx.numel():
+        flat_col = col.view(-1)  # column r = g * n + k starts at r * n
+        rows = idx // n
+        av, lv, pre = a.view(-1)[idx], key_len.reshape(-1)[rows], prefix.view(-1)[idx]
+        base = rows * n
+
+        def f(pos: torch.Tensor) -> torch.Tensor:
+            b = flat_col.take(base + pos)
+            return (jump_strength(av, b, lv, head_dim, sign) >= rho) ^ pre
+
+        # Guess from the real-number threshold b* = rho * d * len_k / a (first b >= b*),
+        # kept only where the exact predicate confirms it: f(p - 1) false and f(p) true.
+        wide = torch.float64 if col.dtype == torch.float64 else torch.float32
+        t = torch.nan_to_num((rho * head_dim) * lk.to(wide) / a.to(wide))  # [g, k, i]
+        guess = torch.searchsorted(col if col.dtype == wide else col.to(wide), t)
+        guess = guess.view(-1)[idx].clamp(1, n - 1)  # the boundary is in [1, n - 1]
+        ok = f(guess) & ~f(guess - 1)
+        p.view(-1)[idx[ok]] = guess[ok]
+        miss = (~ok).nonzero().squeeze(-1)  # ties and last-ulp rounding: binary search
+        if miss.numel():
+            idx, base, av, lv, pre = idx[miss], base[miss], av[miss], lv[miss], pre[miss]
+            lo = torch.ones_like(idx)  # f(0) is false, f(n - 1) is true: p in [1, n - 1]
+            hi = torch.full_like(idx, n - 1)
+            while bool((lo < hi).any()):
+                mid = (lo + hi) >> 1
+                f_mid = f(mid)
+                hi = torch.where(f_mid, mid, hi)
+                lo = torch.where(f_mid, lo, mid + 1)
+            p.view(-1)[idx] = lo
+    return p, prefix, perm
+
+
+def jump_counts(
+    scores: torch.Tensor,
+    key_len: torch.Tensor,
+    head_dim: int,
+    rho: float,
+    sign: bool = False,
+    valid: torch.Tensor | None = None,
+    method: CountMethod = "auto",
+) -> torch.Tensor:
+    """Exact sum_k B_k as int32 [..., n, n], equal to ``naive_jump_counts`` bit for bit.
+
+    scores [..., n, n] (queries x keys, a square self-attention block), key_len [..., n]
+    (``key_length(k)``), valid [..., n] bool or None (False = padding: excluded as key k and
+    its rows/columns zeroed). NaN scores count as 0, as in the official code. Heads are
+    processed in groups of about ``_GROUP`` score entries, which bounds the working memory
+    beyond the int32 output to O(_GROUP) whatever the batch.
+    """
+    if method not in ("auto", "enumerate", "compare"):
+        raise ValueError(f"unknown count method {method!r}; use 'auto', 'enumerate' or 'compare'")
+    *batch, n, m = scores.shape
+    if n != m:
+        raise ValueError(f"jump links need square scores (queries = keys), got {n} x {m}")
+    x = _clean(scores).reshape(-1, n, n)  # [g, n, n]
+    g = x.shape[0]
+    lk = key_len.detach().to(x.dtype).expand(*batch, n).reshape(g, n)  # [g, n]
+    ok = None if valid is None else valid.to(torch.bool).expand(*batch, n).reshape(g, n)
+    counts = torch.zeros(g, n, n, dtype=torch.int32, device=x.device)
+    step = max(1, _GROUP // max(1, n * n))
+    for g0 in range(0, g, step):
+        sl = slice(g0, g0 + step)
+        p, prefix, perm = _boundaries(x[sl], lk[sl], head_dim, rho, sign)  # [gc, k, i]
+        empty = None
+        if ok is not None:  # padding key k or padding row i: no links
+            empty = ~(ok[sl, :, None] & ok[sl, None, :])
+        how = method
+        if how == "auto":
+            size = _enum_size(p, prefix, empty, n)
+            how = "enumerate" if size <= _ENUM_FRACTION * p.shape[0] * n**3 else "compare"
+        if how == "enumerate":
+            counts[sl] = _count_enumerate(p, prefix, perm, empty)
+        else:
+            counts[sl] = _count_compare(p, prefix, perm, empty)
+    if ok is not None:
+        counts *= ok[:, :, None] & ok[:, None, :]
+    return counts.view(*batch, n, n)
+
+
+def _lengths(p: torch.Tensor, prefix: torch.Tensor, empty: torch.Tensor | None, n: int):
+    length = torch.where(prefix, p, n - p)  # [g, k, i] size of the linked range
+    if empty is not None:
+        length = length.masked_fill(empty, 0)
+    return length
+
+
+def _enum_size(p, prefix, empty, n) -> int:
+    length = _lengths(p, prefix, empty, n)
+    return int(torch.minimum(length, n - length).sum())
+
+
+def _count_enumerate(p, prefix, perm, empty) -> torch.Tensor:
+    """O(E) counts: list the linked j of every (k, i), or the unlinked j when fewer.
+
+    A complemented (k, i) adds 1 to every j of row i and -1 to each unlinked j.
+    Per listed entry the work is a handful of int64 passes (repeat, gather, bincount).
+    """
+    g, n, _ = p.shape
+    length = _lengths(p, prefix, empty, n)  # [g, k, i]
+    comp = length > n // 2
+    counts = comp.sum(1, dtype=torch.int32)[:, :, None].expand(g, n, n).clone()  # [g, i, j]
+    flat_counts = counts.view(-1)
+    flat_perm = perm.reshape(-1)  # perm[g, k, t] at (g * n + k) * n + t
+    # the listed range is a prefix [0, p) when prefix XOR comp, else a suffix [p, n)
+    start = torch.where(prefix ^ comp, torch.zeros_like(p), p)  # [g, k, i]
+    size = torch.where(comp, n - length, length)  # [g, k, i]
+    dev = p.device
+    owners = size.view(-1).nonzero().squeeze(-1)  # flat (g, k, i) ids with entries to list
+    sizes, comps = size.view(-1)[owners], comp.view(-1)[owners]
+    perm_start = (owners // n) * n + start.view(-1)[owners]  # (g n + k) n + first position
+    row_start = ((owners // (n * n)) * n + owners % n) * n  # (g n + i) n: row i of counts
+    for sgn, sel in ((1, ~comps), (-1, comps)):
+        sz, pa, ra = sizes[sel], perm_start[sel], row_start[sel]
+        cum = sz.cumsum(0)
+        lo = 0
+        while lo < sz.numel():  # chunks of about _ENUM_CHUNK listed entries
+            done = int(cum[lo - 1]) if lo else 0
+            cut = torch.tensor(done + _ENUM_CHUNK, device=dev)
+            hi = int(torch.searchsorted(cum, cut, right=True))
+            hi = max(hi, lo + 1)
+            s, pc, rc = sz[lo:hi], pa[lo:hi], ra[lo:hi]
+            lo = hi
+            r0 = int(rc.min())
+            span = int(rc.max()) + n - r0
+            hits = _list_and_count(flat_perm, s, pc, rc - r0, span)
+            if sgn > 0:
+                flat_counts[r0 : r0 + span] += hits
+            else:
+                flat_counts[r0 : r0 + span] -= hits
+    return counts
+
+
+def _list_and_count(flat_perm, sizes, perm_start, row_start, span) -> torch.Tensor:
+    """Histogram [span] int32 of row_start[o] + flat_perm[perm_start[o] + t], t < sizes[o].
+
+    One owner o is one (g, k, i) range. On CPU numpy runs these passes ~3x faster than
+    torch (repeat ~2.5 vs 11 ns, gather ~6 vs 22 ns per entry, measured); same integers.
+    """
+    if _NUMPY_ON_CPU and flat_perm.device.type == "cpu":
+        sz, fp = sizes.numpy(), flat_perm.numpy()
+        first = np.cumsum(sz) - sz  # entry offset of each owner
+        pos = np.repeat(perm_start.numpy() - first, sz)
+        pos += np.arange(pos.size)  # flat_perm index of each listed entry
+        idx = np.repeat(row_start.numpy(), sz)
+        idx += np.take(fp, pos)  # + j
+        return torch.from_numpy(np.bincount(idx, minlength=span).astype(np.int32))
+    total = int(sizes.sum())
+    first = sizes.cumsum(0) - sizes
+    pos = torch.repeat_interleave(perm_start - first, sizes, output_size=total)
+    pos += torch.arange(total, device=sizes.device)
+    idx = torch.repeat_interleave(row_start, sizes, output_size=total)
+    idx += flat_perm.take(pos)
+    return torch.bincount(idx, minlength=span).to(torch.int32)
+
+
+def _count_compare(p, prefix, perm, empty) -> torch.Tensor:
+    """O(n^3) one-byte comparisons: j is linked to i through k iff rank_k(j) is in range.
+
+    Chunks are kept small (about _CMP_CHUNK elements) so each comparison block stays in
+    cache; measured ~0.6 ns per comparison on one core (vs ~9 ns with 8M-element blocks).
+    """
+    g, n, _ = p.shape
+    rdt = torch.int16 if n < 2**15 else torch.int32
+    dev = p.device
+    ranks = torch.empty(g, n, n, dtype=rdt, device=dev)  # ranks[g, k, j]: position of j in k
+    ranks.scatter_(2, perm, torch.arange(n, dtype=rdt, device=dev).expand(g, n, n))
+    # suffix [p, n): rank >= p.  prefix [0, p): ~rank = -rank - 1 >= -p.  empty: rank >= n.
+    flip = torch.where(prefix, -1, 0).to(rdt)  # XOR mask: -1 turns rank into ~rank
+    thr = torch.where(prefix, -p, p)
+    if empty is not None:
+        flip = flip.masked_fill(empty, 0)
+        thr = thr.masked_fill(empty, n)
+    flip = flip.transpose(1, 2).contiguous()[..., None]  # [g, i, k, 1]
+    thr = thr.to(rdt).transpose(1, 2).contiguous()[..., None]  # [g, i, k, 1]
+    counts = torch.empty(g, n, n, dtype=torch.int32, device=dev)
+    rows = max(1, _CMP_CHUNK // (n * n))
+    for gi in range(g):
+        r = ranks[gi][None]  # [1, k, j]
+        for i0 in range(0, n, rows):
+            i1 = i0 + rows
+            hit = (r ^ flip[gi, i0:i1]) >= thr[gi, i0:i1]  # [c, k, j]
+            counts[gi, i0:i1] = hit.sum(1, dtype=torch.int32)
+    return counts
+
+
+# ------------------------------------------------------------------------- normalisation
+
+
+def normalized_adjacency(
+    counts: torch.Tensor, valid: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """A_hat = D^-1/2 A D^-1/2 with A = counts / n_keys, diag(A) = 1, D clamped >= 1e-4.
+
+    counts [..., n, n] int; valid [..., n] bool or None. n_keys is n (the official mean over
+    all keys) or, with padding excluded, the number of valid keys, so that a padded sequence
+    gets exactly the adjacency of the unpadded one.
+    """
+    n = counts.shape[-1]
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    if valid is None:
+        a = counts.to(wide) / n
+    else:
+        n_keys = valid.sum(-1, keepdim=True).clamp_min(1).to(wide)  # [..., 1]
+        a = counts.to(wide) / n_keys[..., None]
+    a = a.to(dtype)
+    a.diagonal(dim1=-2, dim2=-1).fill_(1.0)
+    deg = a.sum(-1)
+    deg = torch.where(deg <= 1e-4, torch.full((), 1e-4, dtype=deg.dtype), deg)
+    dinv = torch.reciprocal(torch.sqrt(deg)).unsqueeze(-1)  # [..., n, 1]
+    return dinv * a * dinv.transpose(-1, -2)
