@@ -19,8 +19,6 @@ app = typer.Typer(
 )
 bench_app = typer.Typer(help="Speed and memory benchmarks (CPU; GPU when present).")
 app.add_typer(bench_app, name="bench")
-app.add_typer(analyze_app, name="analyze")
-app.command("report")(report)
 console = Console()
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the embedded model never needs the network
@@ -252,6 +250,10 @@ def bench_jat(
 
     rows = run_bench(lengths=tuple(int(x) for x in lengths.split(",")), batch=batch)
     console.print(format_markdown(rows), markup=False)
+
+
+app.add_typer(analyze_app, name="analyze")
+app.command("report")(report)
 
 
 def main() -> None:  # pragma: no cover

@@ -1,0 +1,160 @@
+"""``attnlab analyze heads`` and ``attnlab report``: thin wrappers over recipes.analyze.
+
+Registered in ``cli.py`` with ``app.add_typer(analyze_app, name="analyze")`` and
+``app.command("report")(report)``. Imports stay lazy so ``attnlab --help`` loads no torch.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+T = TypeVar("T")
+analyze_app = typer.Typer(
+    help="Head analysis: vertical / diagonal / block / heterogeneous heads, tables and plots.",
+    no_args_is_help=True,
+)
+console = Console()
+err_console = Console(stderr=True)
+
+
+def _fail(message: str) -> None:
+    console.print(f"[bold red]error:[/] {message}", markup=True, highlight=False)
+    raise typer.Exit(code=2)
+
+
+def _progress(items: Iterable[T], total: int, description: str) -> Iterable[T]:
+    """A rich progress bar over batches (on stderr, so tables on stdout stay clean)."""
+    from rich.progress import track
+
+    return track(items, total=total, description=description, console=err_console,
+                 transient=True)
+
+
+def _errors() -> tuple[type[BaseException], ...]:
+    """What bad input raises: missing files, bad specs, unknown tasks, malformed data."""
+    from .core import RegistryError
+    from .hf.arch import UnsupportedModelError
+
+    return (FileNotFoundError, ValueError, KeyError, RegistryError, UnsupportedModelError)
+
+
+def _print_summary(result: Any, out: Path) -> None:
+    from .analysis.plots import CLASS_ABBREV
+    from .recipes.analyze import SUMMARY_SCORES, layer_summary
+
+    rows = layer_summary(result.analysis)
+    counts = [k for k in rows[0] if k.startswith("n_")]
+    means = [f"mean_{s}" for s in SUMMARY_SCORES if f"mean_{s}" in rows[0]]
+    meta = result.meta
+    table = Table(title=f"{meta['model_name']}: {meta['examples']} examples of {meta['text']}"
+                        f" ({meta['seconds']:.1f} s); heads per class, mean score per layer")
+    table.add_column("layer", justify="right")
+    for k in counts:
+        table.add_column(CLASS_ABBREV.get(k[2:], k[2:]), justify="right")
+    for k in means:
+        table.add_column(k[5:], justify="right")
+    for r in rows:
+        table.add_row(str(r["layer"]), *(str(r[k]) for k in counts),
+                      *(f"{r[k]:.3f}" for k in means))
+    console.print(table)
+    console.print("classes: " + ", ".join(f"{CLASS_ABBREV.get(k[2:], '?')} = {k[2:]}"
+                                          for k in counts))
+    console.print(f"wrote {out}/ (head_scores.csv/json, layer_summary.md, figures)")
+
+
+@analyze_app.command("heads")
+def heads(
+    model: Annotated[str | None, typer.Argument(
+        help="'default' (the embedded MiniLM, the default), a run directory, or a saved "
+             "model folder.", show_default=False,
+    )] = None,
+    task: Annotated[str | None, typer.Option(
+        help="Task whose split is analysed. Default: the run's task, else cola.")] = None,
+    split: Annotated[str | None, typer.Option(help="Split. Default: the task's dev.")] = None,
+    data_dir: Annotated[str | None, typer.Option(
+        help="Data folder or 'builtin'. Default: the run's, else ../shared/data if present, "
+             "else builtin.")] = None,
+    text_file: Annotated[Path | None, typer.Option(
+        help="Analyse this file instead (one sentence per line).")] = None,
+    limit: Annotated[int | None, typer.Option(help="First N examples only.")] = None,
+    batch_size: Annotated[int, typer.Option(help="Examples per forward pass.")] = 32,
+    max_length: Annotated[int | None, typer.Option(
+        help="Tokens per example. Default: the run's, else 128.")] = None,
+    heads: Annotated[str | None, typer.Option(
+        "--heads", help="LAYER:HEAD list (0-based) for average maps, e.g. 0:3,2:7.")] = None,
+    compare: Annotated[tuple[str, str] | None, typer.Option(
+        help="Analyse two models (runs, folders or 'default') and compare their classes.",
+        metavar="A B")] = None,
+    out: Annotated[Path | None, typer.Option(
+        help="Output folder. Default: <run>/analysis, else runs/analysis-<model>.")] = None,
+    examples: Annotated[int, typer.Option(help="Examples kept for the report explorer.")] = 4,
+) -> None:
+    """Score every head (vertical, diagonal, block, entropy, ...), classify, and plot."""
+    from .recipes import analyze as rec
+
+    if compare is not None and model is not None:
+        _fail("give either MODEL or --compare A B, not both")
+    try:
+        head_list = rec.parse_heads(heads)
+        specs = list(compare) if compare is not None else [model or "default"]
+        results, outs = [], []
+        source = rec.TextSource(task=task or "cola", split=split, data_dir=data_dir,
+                                text_file=str(text_file) if text_file else None,
+                                limit=limit, max_length=max_length)
+        for k, spec in enumerate(specs):
+            loaded = rec.load_model(spec)
+            if k == 0:  # with --compare, B reads exactly what A reads (A's run defaults too)
+                source = rec.source_for(loaded, source, task_given=task is not None)
+            result = rec.analyze_model(loaded, source, batch_size=batch_size, heads=head_list,
+                                       n_examples=examples, progress=_progress)
+            if Path(sys.argv[0]).name == "attnlab":  # not when called from Python/tests
+                result.meta["command"] = shlex.join(["attnlab", *sys.argv[1:]])
+            if compare is None:
+                folder = out or rec.default_out(loaded)
+            else:  # each model's analysis in a/ and b/ under the comparison folder
+                root = out or rec.compare_out(*compare)
+                folder = root / f"{'ab'[k]}-{rec.safe_name(loaded.name)}"
+            rec.write_analysis(result, folder)
+            results.append(result)
+            outs.append(folder)
+        if compare is not None:
+            doc, _ = rec.compare_analyses(results[0], results[1], outs[0].parent)
+    except _errors() as e:
+        _fail(str(e).strip("'\""))
+        return
+    for result, folder in zip(results, outs, strict=True):
+        _print_summary(result, folder)
+    if compare is not None:
+        console.print(f"{len(doc['changed'])} heads changed class; wrote "
+                      f"{outs[0].parent}/compare_classes.png/svg and compare.json")
+
+
+def report(
+    run_dir: Annotated[str, typer.Argument(help="A finished run directory (runs/<name>).")],
+    out: Annotated[Path | None, typer.Option(
+        help="Output file. Default: RUN_DIR/report.html.")] = None,
+    sample: Annotated[int, typer.Option(
+        help="Examples analysed when the run has no analysis/ folder.")] = 64,
+    data_dir: Annotated[str | None, typer.Option(
+        help="Data folder for that sample. Default: the run's.")] = None,
+    batch_size: Annotated[int, typer.Option(help="Examples per forward pass.")] = 32,
+) -> None:
+    """One self-contained HTML report of a run: config, plan, metrics, head grids, explorer."""
+    from .recipes.analyze import run_report
+
+    try:
+        path, origin = run_report(run_dir, out=out, sample=sample, data_dir=data_dir,
+                                  batch_size=batch_size, progress=_progress)
+    except _errors() as e:
+        _fail(str(e).strip("'\""))
+        return
+    console.print(f"head grids: {origin}")
+    console.print(f"wrote {path}")
