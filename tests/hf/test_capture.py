@@ -64,3 +64,18 @@ def test_batch_without_inputs_is_an_error(tiny_bert):
         capture_attention(tiny_bert, {"text": ["a"]})
     with pytest.raises(ValueError, match="on_missing"):
         capture_attention(tiny_bert, {"input_ids": torch.ones(1, 3).long()}, on_missing="skip")
+
+
+def test_capture_through_lora_wrapped_projections(padded_batch):
+    """peft's LoRA wraps query/value in layers holding the nn.Linear as ``base_layer``."""
+    from conftest import make_tiny_bert
+
+    from attnlab.tuning import resolve_tuning
+
+    model = make_tiny_bert("BertForSequenceClassification")
+    before = capture_attention(model, padded_batch)
+    tuner, cfg = resolve_tuning("lora(r=4)")
+    wrapped = tuner.apply(model, cfg)
+    after = capture_attention(wrapped, padded_batch)  # LoRA B starts at zero: same maps
+    for layer in before:
+        torch.testing.assert_close(after[layer], before[layer], atol=1e-6, rtol=1e-6)

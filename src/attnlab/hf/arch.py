@@ -113,7 +113,13 @@ def _find_base(model: nn.Module, first_attn: nn.Module) -> PreTrainedModel:
 def _is_self_attention(module: nn.Module, proj: tuple[str, str, str]) -> bool:
     if getattr(module, "is_cross_attention", False) or "Cross" in type(module).__name__:
         return False
-    return all(isinstance(getattr(module, p, None), nn.Linear) for p in proj)
+    return all(_is_linear(getattr(module, p, None)) for p in proj)
+
+
+def _is_linear(layer: nn.Module | None) -> bool:
+    """nn.Linear, or a wrapper around one (peft's LoRA layers keep it as ``base_layer``)."""
+    return isinstance(layer, nn.Linear) or isinstance(getattr(layer, "base_layer", None),
+                                                      nn.Linear)
 
 
 def _heads_and_dim(module: nn.Module, config, family: Family | None) -> tuple[int, int]:

@@ -106,7 +106,7 @@ def capture_attention(
     inputs = _model_inputs(model, batch)
     register_backend()
     config = getattr(model, "config", None)
-    previous = getattr(config, "_attn_implementation", BACKEND)
+    previous = getattr(config, "_attn_implementation", None) or "sdpa"
     was_training = model.training
     switched = previous != BACKEND
     try:
