@@ -137,6 +137,8 @@ def _run_and_report(cfg, resume: bool) -> None:
     from .recipes.finetune import run_experiment
 
     summary = run_experiment(cfg, resume=resume)
+    if not summary["is_main_process"]:
+        return
     table = Table(title=f"{cfg.name}: {summary['task']} ({summary['tuning']})")
     for col in ("metric", "best", "at step", "steps", "s/step", "trained params"):
         table.add_column(col)

@@ -195,12 +195,13 @@ def run_experiment(cfg: ExperimentConfig, resume: bool = False,
         "params": params,
         "surgery": report.to_dict() if report is not None else None,
         "interrupted": stop_after is not None and state.step >= stop_after,
+        "num_processes": accelerator.num_processes,
     }
     if accelerator.is_main_process:
         write_json_atomic(run_dir / "summary.json", summary)
         _export(accelerator.unwrap_model(parts.model), tok, tuner, run_dir)
     accelerator.wait_for_everyone()
-    return summary
+    return {**summary, "is_main_process": accelerator.is_main_process}
 
 
 def _export(model, tok, tuner, run_dir: Path) -> None:
