@@ -158,3 +158,82 @@ def report(
         return
     console.print(f"head grids: {origin}")
     console.print(f"wrote {path}")
+
+
+@analyze_app.command("connections")
+def connections(
+    run_dir: Annotated[str | None, typer.Argument(
+        help="A finished token-classification run on conll2003 (runs/<name>), 'default' (the "
+             "embedded MiniLM) or a saved model folder.", show_default=False,
+    )] = None,
+    compare: Annotated[tuple[str, str] | None, typer.Option(
+        help="Count two models (e.g. the baseline and BERT-JAT runs) and plot them side by "
+             "side.", metavar="RUN_A RUN_B")] = None,
+    split: Annotated[str, typer.Option(help="CoNLL split: dev (valid.txt), train or test.")
+                     ] = "dev",
+    data_dir: Annotated[str | None, typer.Option(
+        help="Folder with the CoNLL-2003 files. Default: the run's, else ../shared/data.")
+    ] = None,
+    limit: Annotated[int | None, typer.Option(help="First N sentences only.")] = None,
+    batch_size: Annotated[int, typer.Option(help="Sentences per forward pass.")] = 32,
+    max_length: Annotated[int | None, typer.Option(
+        help="Tokens per sentence. Default: the run's, else 128.")] = None,
+    entities_only: Annotated[bool, typer.Option(
+        "--entities-only", help="Drop O tokens: count only pairs of entity and special "
+                                "tokens.")] = False,
+    diagonal: Annotated[bool, typer.Option(
+        "--diagonal", help="Also count a token attending to itself (left out by "
+                           "default).")] = False,
+    out: Annotated[Path | None, typer.Option(
+        help="Output folder. Default: <run>/analysis, else runs/connections-<model>.")] = None,
+) -> None:
+    """JAT case study: count major connections (p > mean + std) per layer and entity class.
+
+    A connection's class: PER/ORG/LOC/MISC/O when both tokens share it, SEP when either is
+    [CLS]/[SEP], CROSS otherwise. Writes connections.csv/json and bar plots (PNG + SVG).
+    """
+    from .recipes import connections as rec
+
+    if compare is not None and run_dir is not None:
+        _fail("give either RUN_DIR or --compare RUN_A RUN_B, not both")
+    try:
+        specs = list(compare) if compare is not None else [run_dir or "default"]
+        source = rec.ConllSource(split=split, data_dir=data_dir, limit=limit,
+                                 max_length=max_length)
+        loaded = [rec.load_ner_model(s) for s in specs]  # refuse a bad run before any work
+        results, outs = [], []
+        for k, model in enumerate(loaded):
+            if k == 1:  # B reads exactly what A read (A's run defaults included)
+                source = rec.ConllSource(split=split, data_dir=results[0].meta["data_dir"],
+                                         limit=limit, max_length=results[0].meta["max_length"])
+            result = rec.count_model(model, source, batch_size=batch_size,
+                                     entities_only=entities_only, include_diagonal=diagonal,
+                                     progress=_progress)
+            if compare is None:
+                folder = out or rec.default_connections_out(model)
+            else:
+                root = out or rec.compare_connections_out(*compare)
+                folder = root / f"{'ab'[k]}-{rec.safe_name(model.name)}"
+            rec.write_connections(result, folder)
+            results.append(result)
+            outs.append(folder)
+        if compare is not None:
+            rec.compare_connections(results[0], results[1], outs[0].parent)
+    except _errors() as e:
+        _fail(str(e).strip("'\""))
+        return
+    for result, folder in zip(results, outs, strict=True):
+        rows = result.counts.rows()
+        table = Table(title=f"major connections per layer: {rec.describe(result)} "
+                            f"({result.meta['seconds']:.1f} s)")
+        for key in rows[0]:
+            table.add_column(key, justify="right")
+        for r in rows:
+            table.add_row(*(str(v) for v in r.values()))
+        table.add_row("all", *(str(sum(r[k] for r in rows)) for k in list(rows[0])[1:]))
+        console.print(table)
+        console.print(f"wrote {folder}/ (connections.csv/json, connections_per_layer"
+                      f"{{,_nosep}}.png/svg)")
+    if compare is not None:
+        console.print(f"wrote {outs[0].parent}/connections_compare.csv/json and "
+                      "connections_compare{,_nosep}.png/svg")
