@@ -1,0 +1,242 @@
+"""Speed and peak memory of sparse mechanisms against dense ``F.scaled_dot_product_attention``.
+
+Method (why it is done this way):
+
+* Every (method, n) measurement runs in a fresh Python subprocess. PyTorch has no CPU
+  allocator statistics, so peak memory is the process's resident-set high-water mark
+  ``resource.getrusage(RUSAGE_SELF).ru_maxrss`` after the call minus the same value just
+  before it (after creating the inputs and a warm-up on a tiny input that loads the
+  kernels and thread pools). A fresh process makes the high-water mark belong to this
+  call alone. It counts everything the call touches (tensors, saved activations, gradients
+  of q, k, v, allocator slack), so it is an upper bound on tensor memory.
+* In the subprocess: forward peak (under ``torch.no_grad``), then forward+backward peak
+  (loss = sum of outputs; gradients of q, k, v), then timings: the median of ``repeats``
+  calls for each (the memory runs above serve as warm-up).
+* Methods at one n run back to back and ratios compare them within one benchmark run:
+  this machine is shared, absolute times drift between runs.
+
+Run: ``python -m attnlab.bench.speed`` (``--help`` for options).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+SDPA = "sdpa"
+
+
+def _spec(mechanism: str, window: int) -> str:
+    """``band`` -> ``band(window=128)`` when the config has a window; full specs unchanged."""
+    if "(" in mechanism:
+        return mechanism
+    from attnlab.core import mechanism_class
+
+    fields = {f.name for f in dataclasses.fields(mechanism_class(mechanism).config_cls)}
+    return f"{mechanism}(window={window})" if "window" in fields else mechanism
+
+
+def measure(
+    method: str, n: int, heads: int = 12, head_dim: int = 64, batch: int = 1, repeats: int = 3,
+    threads: int | None = None,
+) -> dict[str, float]:
+    """One measurement in *this* process (call it in a fresh one for a valid peak memory).
+
+    ``method`` is "sdpa" (dense ``F.scaled_dot_product_attention``) or a mechanism spec.
+    Returns fwd_ms, fwdbwd_ms, peak_fwd_mb, peak_mem_mb (forward+backward).
+    """
+    import resource
+
+    import torch
+    import torch.nn.functional as F
+
+    import attnlab
+
+    if threads:
+        torch.set_num_threads(threads)
+
+    def make(length: int):
+        g = torch.Generator().manual_seed(0)
+        shape = (batch, heads, length, head_dim)
+        return [torch.randn(shape, generator=g).requires_grad_() for _ in range(3)]
+
+    if method == SDPA:
+        def run(q, k, v):
+            return F.scaled_dot_product_attention(q, k, v)
+    else:
+        mech = attnlab.build_mechanism(method, attnlab.HeadDims(heads, head_dim)).eval()
+        ctx = attnlab.AttnContext()
+
+        def run(q, k, v):
+            return mech(q, k, v, ctx).out
+
+    def fwd(q, k, v):
+        with torch.no_grad():
+            run(q, k, v)
+
+    def fwdbwd(q, k, v):
+        run(q, k, v).sum().backward()
+
+    def maxrss_mb() -> float:
+        unit = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit / 2**20
+
+    small = make(64)
+    fwd(*small)
+    fwdbwd(*small)  # warm-up: kernels, thread pools, allocator
+    q, k, v = make(n)
+    base = maxrss_mb()
+    fwd(q, k, v)
+    peak_fwd = maxrss_mb() - base
+    fwdbwd(q, k, v)
+    peak_all = maxrss_mb() - base
+
+    def median_ms(fn) -> float:
+        times = []
+        for _ in range(repeats):
+            for t in (q, k, v):
+                t.grad = None
+            start = time.perf_counter()
+            fn(q, k, v)
+            times.append((time.perf_counter() - start) * 1000)
+        return sorted(times)[len(times) // 2]
+
+    return {
+        "fwd_ms": median_ms(fwd),
+        "fwdbwd_ms": median_ms(fwdbwd),
+        "peak_fwd_mb": peak_fwd,
+        "peak_mem_mb": peak_all,
+    }
+
+
+def _child() -> None:
+    """Subprocess entry: ``python -c '...; _child()' JSON`` prints one JSON line."""
+    print(json.dumps(measure(**json.loads(sys.argv[1]))))
+
+
+def _measure_in_subprocess(**kwargs: Any) -> dict[str, float]:
+    code = "from attnlab.bench.speed import _child; _child()"
+    res = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(kwargs)], capture_output=True, text=True,
+        check=False,
+    )
+    if res.returncode != 0:
+        raise RuntimeError(f"benchmark subprocess failed for {kwargs}:\n{res.stderr[-2000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def bench_sparse(
+    ns: tuple[int, ...] = (1024, 2048, 4096, 8192),
+    window: int = 128,
+    heads: int = 12,
+    head_dim: int = 64,
+    batch: int = 1,
+    repeats: int = 3,
+    mechanism: str | Sequence[str] = "band",
+    *,
+    threads: int | None = None,
+    progress: bool = True,
+) -> list[dict[str, Any]]:
+    """Time and peak memory of ``mechanism`` vs dense SDPA, fp32 on CPU.
+
+    ``mechanism`` is a registry name (``band`` gets ``window``), a full spec string, or a
+    list of them (each is compared with the same SDPA measurement).
+    Returns one row per (n, method): n, method, fwd_ms, fwdbwd_ms, peak_fwd_mb,
+    peak_mem_mb, and the ratios fwd_speedup, fwdbwd_speedup (SDPA time / method time) and
+    mem_ratio (method peak / SDPA peak), all against SDPA at the same n in this run.
+    """
+    names = [mechanism] if isinstance(mechanism, str) else list(mechanism)
+    specs = [_spec(name, window) for name in names]
+    jobs = [(n, method) for n in ns for method in (SDPA, *specs)]
+    rows: list[dict[str, Any]] = []
+    common = dict(heads=heads, head_dim=head_dim, batch=batch, repeats=repeats, threads=threads)
+
+    def run_all(step) -> None:
+        for n, method in jobs:
+            res = _measure_in_subprocess(method=method, n=n, **common)
+            rows.append({"n": n, "method": method, **res})
+            step(f"{method} n={n}")
+
+    if progress:
+        from rich.progress import Progress
+
+        with Progress(transient=True) as bar:
+            task = bar.add_task("benchmark", total=len(jobs))
+            run_all(lambda desc: bar.update(task, advance=1, description=desc))
+    else:
+        run_all(lambda desc: None)
+    base = {r["n"]: r for r in rows if r["method"] == SDPA}
+    for r in rows:
+        ref = base[r["n"]]
+        r["fwd_speedup"] = ref["fwd_ms"] / r["fwd_ms"]
+        r["fwdbwd_speedup"] = ref["fwdbwd_ms"] / r["fwdbwd_ms"]
+        r["mem_ratio"] = r["peak_mem_mb"] / max(ref["peak_mem_mb"], 1e-9)
+    return rows
+
+
+def format_markdown(rows: list[dict[str, Any]]) -> str:
+    """The rows as a Markdown table (ratios are against SDPA at the same n)."""
+    head = (
+        "| n | method | fwd ms | fwd+bwd ms | peak MB fwd | peak MB fwd+bwd "
+        "| fwd speed-up | fwd+bwd speed-up | memory vs SDPA |\n"
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|\n"
+    )
+    body = "".join(
+        f"| {r['n']} | `{r['method']}` | {r['fwd_ms']:.1f} | {r['fwdbwd_ms']:.1f} "
+        f"| {r['peak_fwd_mb']:.1f} | {r['peak_mem_mb']:.1f} | {r['fwd_speedup']:.2f}x "
+        f"| {r['fwdbwd_speedup']:.2f}x | {r['mem_ratio']:.2f}x |\n"
+        for r in rows
+    )
+    return head + body
+
+
+def environment(threads: int | None = None) -> dict[str, Any]:
+    """What the numbers depend on: versions, threads used, cores, load."""
+    import platform
+
+    import torch
+
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+        "torch": torch.__version__,
+        "threads": threads or torch.get_num_threads(),
+        "cpus": os.cpu_count(),
+        "cpu": platform.processor() or platform.machine(),
+        "loadavg": os.getloadavg() if hasattr(os, "getloadavg") else None,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ns", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+    ap.add_argument("--window", type=int, default=128)
+    ap.add_argument("--heads", type=int, default=12)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--mechanism", nargs="+", default=["band"],
+                    help="names or specs, e.g. band 'dilated(window=64, dilation=2)'")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    args = ap.parse_args(argv)
+    env_before = environment(args.threads)
+    rows = bench_sparse(
+        tuple(args.ns), args.window, args.heads, args.head_dim, args.batch, args.repeats,
+        args.mechanism, threads=args.threads,
+    )
+    print(format_markdown(rows))
+    print(f"environment: {env_before}; load after: {environment()['loadavg']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"environment": env_before, "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""Optional FlexAttention backend for the sparse patterns, used only when q is on CUDA.
+
+Why: on a GPU, ``torch.nn.attention.flex_attention`` with a ``BlockMask`` runs fused
+block-sparse kernels (forward and backward) that beat the blocked engine. On CPU (torch
+2.13) FlexAttention has no backward, so the CPU path stays the blocked engine
+(``_blocksparse``), which this backend is tested against.
+
+How: the pattern (``mech.bias(n, m) == 0``, with causal folded in) becomes a
+``BlockMask``, built once per (mechanism config, layer, n, m, causal, device) and cached
+(``create_block_mask`` is slow). The key-padding mask changes per batch, so it is applied
+as a ``score_mod`` (-inf for padded keys) instead of entering the cached mask.
+FlexAttention returns zeros for rows with no allowed key. No attention dropout here (the
+caller falls back to the blocked engine when dropout is active).
+Cost: the cached pattern is an [n, m] bool lookup table (n*m bytes on the GPU); the
+compute is block-sparse.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+
+import torch
+
+from ..core import causal_mask
+
+CACHE_SIZE = 64  # BlockMasks kept (least recently used dropped)
+FLEX_BLOCK = 128  # FlexAttention's block size
+_MASKS: OrderedDict[tuple, object] = OrderedDict()
+
+
+def available(q: torch.Tensor) -> bool:
+    """True when q is on CUDA and this torch has FlexAttention."""
+    if not q.is_cuda:
+        return False
+    try:
+        import torch.nn.attention.flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def block_mask(
+    allowed_fn: Callable[[], torch.Tensor], key: Hashable, n: int, m: int, causal: bool,
+    device: torch.device, compile_mask: bool = True,
+):
+    """The cached BlockMask of ``allowed_fn() -> [n, m] bool`` (and j <= i when causal)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    ck = (key, n, m, causal, str(device))
+    if ck in _MASKS:
+        _MASKS.move_to_end(ck)
+        return _MASKS[ck]
+    allowed = allowed_fn().to(device=device, dtype=torch.bool)  # [n,m]
+    if causal:
+        allowed = allowed & causal_mask(n, m, device)
+
+    def mask_mod(b, h, qi, kj):
+        return allowed[qi, kj]
+
+    bm = create_block_mask(mask_mod, None, None, n, m, device=device, BLOCK_SIZE=FLEX_BLOCK,
+                           _compile=compile_mask)
+    _MASKS[ck] = bm
+    while len(_MASKS) > CACHE_SIZE:
+        _MASKS.popitem(last=False)
+    return bm
+
+
+def flex_pattern_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed_fn: Callable[[], torch.Tensor],
+    key: Hashable,
+    *,
+    key_mask: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+    compiled: bool = True,
+) -> torch.Tensor:
+    """Exact masked softmax over the pattern with FlexAttention: [b,h,n,dv].
+
+    ``compiled=False`` runs eager FlexAttention (forward only on CPU; used by the tests).
+    """
+    from torch.nn.attention.flex_attention import flex_attention
+
+    n, m = q.shape[2], k.shape[2]
+    bm = block_mask(allowed_fn, key, n, m, causal, q.device, compile_mask=compiled)
+    score_mod = None
+    if key_mask is not None:
+        km = key_mask.to(device=q.device, dtype=torch.bool)  # [b,m]
+
+        def score_mod(score, b, h, qi, kj):
+            return torch.where(km[b, kj], score, float("-inf"))
+
+    fn = _compiled_flex() if compiled else flex_attention
+    return fn(q, k, v, score_mod=score_mod, block_mask=bm, scale=scale)

@@ -1,0 +1,564 @@
+"""Position-based sparse attention: the atomic patterns and their compounds.
+
+Survey: Lin, Wang, Liu, Qiu, "A Survey of Transformers", AI Open 2022 (arXiv 2021), §3.1.1.
+Every mechanism here is exact softmax over a fixed pattern (0-based positions, query i,
+key j; bidirectional unless ``ctx.causal``, which also requires j <= i) and exposes
+``bias(n, m) -> [1, n, m]`` (0 / -inf) that ``core.reference_attention`` takes.
+
+Paths. Band-like patterns (band, dilated, block_local, longformer, star, global_tokens,
+bigbird) run on the blocked engine (``_blocksparse``) from ``DENSE_FALLBACK_MAX_LEN`` keys
+on: it never builds n x m and trains on CPU. ``random`` and ``sparse_transformer`` use the
+dense masked path (O(n*m) time and memory). ``ctx.need_weights`` (capture) and short
+inputs always take the dense path, which is the reference itself. On CUDA without dropout
+every pattern runs on FlexAttention (``_flex``; block-sparse kernels, cached masks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+import torch
+from torch import nn
+
+from ..core import (
+    AttnContext,
+    AttnOutput,
+    Capabilities,
+    HeadDims,
+    MechanismConfig,
+    check_qkv,
+    pattern_bias,
+    reference_attention,
+    register_mechanism,
+)
+from ..core.masks import (
+    band_pattern,
+    block_layout_to_pattern,
+    block_local_pattern,
+    dilated_pattern,
+    global_pattern,
+    positions,
+)
+from . import _blocksparse as bs
+from . import _flex
+
+FAMILY = "sparse"
+SURVEY = "Lin et al. 2021 (survey §3.1.1)"
+
+# Fast path: (q, k, v, ctx, scale, dropout) -> out [b,h,n,dv]
+FastPath = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttnContext, float, float],
+                    torch.Tensor]
+
+
+def _run(mech: nn.Module, q, k, v, ctx: AttnContext, fast: FastPath | None) -> AttnOutput:
+    """Shared forward: FlexAttention on CUDA, else the blocked fast path when it applies,
+    else dense masked softmax over ``bias`` (the reference itself)."""
+    check_qkv(q, k, v, mech.dims)
+    n, m = q.shape[2], k.shape[2]
+    scale = ctx.scale_for(q.shape[-1])
+    p = ctx.dropout if mech.training else 0.0
+    if p == 0 and not ctx.need_weights and _flex.available(q):
+        out = _flex.flex_pattern_attention(
+            q, k, v, lambda: mech.bias(n, m, layer_idx=ctx.layer_idx)[0] == 0,
+            (mech.cfg, ctx.layer_idx), key_mask=ctx.key_mask, causal=ctx.causal, scale=scale,
+        )
+        return AttnOutput(out)
+    if fast is not None and bs.use_blocked(n, m, ctx.need_weights):
+        return AttnOutput(fast(q, k, v, ctx, scale, p))
+    bias = mech.bias(n, m, layer_idx=ctx.layer_idx).to(q.device)  # [1,n,m]
+    out, probs = reference_attention(
+        q, k, v, bias=bias, key_mask=ctx.key_mask, causal=ctx.causal, scale=scale,
+        dropout=p, training=mech.training,
+    )
+    return AttnOutput(out, probs if ctx.need_weights else None)
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def _generator(seed: int, layer_idx: int, n: int) -> torch.Generator:
+    """CPU generator seeded by (seed, layer_idx, n): the same pattern in train and eval."""
+    mixed = ((seed * 1_000_003 + layer_idx) * 1_000_033 + n) % (2**63 - 1)
+    return torch.Generator().manual_seed(mixed)
+
+
+# ------------------------------------------------------------------------ pattern builders
+
+
+def random_pattern(n: int, m: int, num_random: int, seed: int, layer_idx: int) -> torch.Tensor:
+    """[n, m] bool: j == i, or j among ``num_random`` distinct keys drawn for query i."""
+    i, j = positions(n, m)
+    allowed = i == j
+    r = min(num_random, m)
+    if r > 0:
+        draws = torch.rand(n, m, generator=_generator(seed, layer_idx, n)).topk(r, dim=-1)
+        allowed = allowed.scatter(1, draws.indices, True)
+    return allowed
+
+
+def star_pattern(n: int, m: int, relay: int) -> torch.Tensor:
+    """[n, m] bool: |i - j| <= 1 or i == relay or j == relay."""
+    i, j = positions(n, m)
+    return ((i - j).abs() <= 1) | (i == relay) | (j == relay)
+
+
+def strided_pattern(n: int, m: int, stride: int) -> torch.Tensor:
+    """Sparse Transformer strided: |i - j| < l or (i - j) % l == 0."""
+    i, j = positions(n, m)
+    return ((i - j).abs() < stride) | ((i - j).remainder(stride) == 0)
+
+
+def fixed_pattern(n: int, m: int, stride: int, summary: int) -> torch.Tensor:
+    """Sparse Transformer fixed: i // l == j // l or j % l >= l - c."""
+    i, j = positions(n, m)
+    return (i // stride == j // stride) | (j.remainder(stride) >= stride - summary)
+
+
+def bigbird_random_blocks(
+    nqb: int, nkb: int, window_blocks: int, num_random_blocks: int, global_blocks: int,
+    seed: int, layer_idx: int, n: int,
+) -> torch.Tensor:
+    """[nqb, r] key-block indices (-1 = none left): r distinct random blocks per query block.
+
+    Drawn among the blocks outside the query block's window and outside the global
+    blocks, so no key counts twice; seeded by (seed, layer_idx, n).
+    """
+    r = min(num_random_blocks, nkb)
+    qb = torch.arange(nqb)[:, None]
+    kb = torch.arange(nkb)[None, :]
+    free = ((qb - kb).abs() > window_blocks // 2) & (kb >= global_blocks)  # [nqb,nkb]
+    score = torch.rand(nqb, nkb, generator=_generator(seed, layer_idx, n))
+    score = score.masked_fill(~free, -1.0)
+    top = score.topk(r, dim=-1)
+    return top.indices.masked_fill(top.values < 0, -1)
+
+
+def bigbird_layout(
+    nqb: int, nkb: int, window_blocks: int, global_blocks: int, random_blocks: torch.Tensor
+) -> torch.Tensor:
+    """[nqb, nkb] bool block layout: window, global rows and columns, random blocks."""
+    qb = torch.arange(nqb)[:, None]
+    kb = torch.arange(nkb)[None, :]
+    layout = ((qb - kb).abs() <= window_blocks // 2) | (kb < global_blocks) | (qb < global_blocks)
+    rnd = torch.zeros(nqb, nkb + 1, dtype=torch.bool)
+    rnd.scatter_(1, random_blocks.masked_fill(random_blocks < 0, nkb), True)
+    return layout | rnd[:, :nkb]
+
+
+# ----------------------------------------------------------------------------- mechanisms
+
+
+@dataclass(frozen=True, kw_only=True)
+class BandConfig(MechanismConfig):
+    name: ClassVar[str] = "band"
+    window: int = 64  # w: one-sided window, |i - j| <= w
+
+    def __post_init__(self) -> None:
+        _check(self.window >= 0, f"band window must be >= 0, got {self.window}")
+
+
+@register_mechanism(BandConfig)
+class Band(nn.Module):
+    """Band (sliding-window) attention: softmax over keys with |i - j| <= w.
+
+    Paper: atomic "band attention" in Lin et al., "A Survey of Transformers", 2021
+    (used by Longformer, Beltagy et al. 2020, and many local-attention models).
+    Formula: softmax(q_i k_j / sqrt(d)) over j with |i - j| <= w. Complexity O(n*w*d)
+    time, O(n*(w+B)) memory on the blocked path (B = query block, 64).
+    """
+
+    caps: ClassVar[Capabilities] = Capabilities(
+        family=FAMILY, paper=SURVEY, exact=True, complexity="O(n*w)"
+    )
+
+    def __init__(self, cfg: BandConfig, dims: HeadDims) -> None:
+        super().__init__()
+        self.cfg, self.dims = cfg, dims
+
+    def bias(self, n: int, m: int, layer_idx: int = 0) -> torch.Tensor:
+        return pattern_bias(band_pattern(n, m, self.cfg.window))[None]
+
+    def _fast(self, q, k, v, ctx: AttnContext, scale: float, p: float) -> torch.Tensor:
+        return bs.local_global_attention(
+            q, k, v, window=self.cfg.window, key_mask=ctx.key_mask, causal=ctx.causal,
+            scale=scale, dropout=p,
+        )
+
+    def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
+        return _run(self, q, k, v, ctx, self._fast)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DilatedConfig(MechanismConfig):
+    name: ClassVar[str] = "dilated"
+    window: int = 32  # w: keys per side, |i - j| <= w * r
+    dilation: int = 2  # r: gap between attended keys, (i - j) % r == 0
+
+    def __post_init__(self) -> None:
+        _check(self.window >= 0, f"dilated window must be >= 0, got {self.window}")
+        _check(self.dilation >= 1, f"dilation must be >= 1, got {self.dilation}")
+
+
+@register_mechanism(DilatedConfig)
+class Dilated(nn.Module):
+    """Dilated band attention: keys at distances 0, r, 2r, ..., w*r on each side.
+
+    Paper: atomic "dilated attention" in Lin et al., "A Survey of Transformers", 2021
+    (as in Longformer's dilated windows, Beltagy et al. 2020).
+    Formula: softmax over j with |i - j| <= w*r and (i - j) % r == 0. Blocked path: a band
+    of width w on each residue class mod r. Complexity O(n*w*d).
+    """
+
+    caps: ClassVar[Capabilities] = Capabilities(
+        family=FAMILY, paper=SURVEY, exact=True, complexity="O(n*w)"
+    )
+
+    def __init__(self, cfg: DilatedConfig, dims: HeadDims) -> None:
+        super().__init__()
+        self.cfg, self.dims = cfg, dims
+
+    def bias(self, n: int, m: int, layer_idx: int = 0) -> torch.Tensor:
+        return pattern_bias(dilated_pattern(n, m, self.cfg.window, self.cfg.dilation))[None]
+
+    def _fast(self, q, k, v, ctx: AttnContext, scale: float, p: float) -> torch.Tensor:
+        return bs.dilated_attention(
+            q, k, v, window=self.cfg.window, dilation=self.cfg.dilation,
+            key_mask=ctx.key_mask, causal=ctx.causal, scale=scale, dropout=p,
+        )
+
+    def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
+        return _run(self, q, k, v, ctx, self._fast)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockLocalConfig(MechanismConfig):
+    name: ClassVar[str] = "block_local"
+    block: int = 64  # b: block length; i attends j iff i // b == j // b
+
+    def __post_init__(self) -> None:
+        _check(self.block >= 1, f"block_local block must be >= 1, got {self.block}")
+
+
+@register_mechanism(BlockLocalConfig)
+class BlockLocal(nn.Module):
+    """Block-local attention: the sequence is cut into blocks that attend only themselves.
+
+    Paper: atomic "block local attention" in Lin et al., "A Survey of Transformers", 2021
+    (Blockwise self-attention, Qiu et al. 2020; Image Transformer, Parmar et al. 2018).
+    Formula: softmax over j with i // b == j // b. Complexity O(n*b*d); the blocked path
+    groups small blocks into query blocks of >= 64 rows for efficient matrix products.
+    """
+
+    caps: ClassVar[Capabilities] = Capabilities(
+        family=FAMILY, paper=SURVEY, exact=True, complexity="O(n*b)"
+    )
+
+    def __init__(self, cfg: BlockLocalConfig, dims: HeadDims) -> None:
+        super().__init__()
+        self.cfg, self.dims = cfg, dims
+
+    def bias(self, n: int, m: int, layer_idx: int = 0) -> torch.Tensor:
+        return pattern_bias(block_local_pattern(n, m, self.cfg.block))[None]
+
+    def _fast(self, q, k, v, ctx: AttnContext, scale: float, p: float) -> torch.Tensor:
+        blk = self.cfg.block
+        qblock = blk * -(-bs.DEFAULT_BLOCK // blk)  # a multiple of the pattern block
+
+        def pattern(i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+            return i // blk == j // blk
+
+        return bs.blocked_attention(
+            q, k, v, block=qblock, left=0, width=qblock, pattern=pattern,
+            key_mask=ctx.key_mask, causal=ctx.causal, scale=scale, dropout=p,
+        )
+
+    def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
+        return _run(self, q, k, v, ctx, self._fast)
+
+
+@dataclass(frozen=True, kw_only=True)
+class GlobalTokensConfig(MechanismConfig):
+    name: ClassVar[str] = "global_tokens"
+    tokens: tuple[int, ...] = (0,)  # G: global positions (attend and are attended by all)
+
+    def __post_init__(self) -> None:
+        _check(all(t >= 0 for t in self.tokens), f"global tokens must be >= 0: {self.tokens}")
+
+
+@register_mechanism(GlobalTokensConfig)
+class GlobalTokens(nn.Module):
+    """Global-node attention: a few tokens see and are seen by all; others see themselves.
+
+    Paper: atomic "global attention" in Lin et al., "A Survey of Transformers", 2021.
+    Formula: softmax over j with i in G or j in G or i == j. Complexity O(n*|G|*d);
+    blocked path = Longformer with window 0 (query blocks of 64 still score 64 local keys).
+    Positions in G beyond the sequence length are ignored.
+    """
+
+    caps: ClassVar[Capabilities] = Capabilities(
+        family=FAMILY, paper=SURVEY, exact=True, complexity="O(n*|G|)"
+    )
+
+    def __init__(self, cfg: GlobalTokensConfig, dims: HeadDims) -> None:
+        super().__init__()
+        self.cfg, self.dims = cfg, dims
+
+    def bias(self, n: int, m: int, layer_idx: int = 0) -> torch.Tensor:
+        return pattern_bias(global_pattern(n, m, self.cfg.tokens))[None]
+
+    def _fast(self, q, k, v, ctx: AttnContext, scale: float, p: float) -> torch.Tensor:
+        return bs.local_global_attention(
+            q, k, v, window=0, global_tokens=self.cfg.tokens, key_mask=ctx.key_mask,
+            causal=ctx.causal, scale=scale, dropout=p,
+        )
+
+    def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
+        return _run(self, q, k, v, ctx, self._fast)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RandomConfig(MechanismConfig):
+    name: ClassVar[str] = "random"
+    num_random: int = 8  # r: random keys per query (plus the query's own position)
+    seed: int = 0  # seed of the pattern, combined with the layer index and n
+
+    def __post_init__(self) -> None:
+        _check(self.num_random >= 0, f"num_random must be >= 0, got {self.num_random}")
+
+
+@register_mechanism(RandomConfig)
+class Random(nn.Module):
+    """Random attention: each query sees itself and r keys drawn at random.
+
+    Paper: atomic "random attention" in Lin et al., "A Survey of Transformers", 2021 (as in
+    BigBird, Zaheer et al., NeurIPS 2020). Formula: softmax over j == i or j in R_i, with
+    R_i r distinct keys drawn per query by a generator seeded by (seed, layer_idx, n): the
+    same pattern in train and eval and across calls. Complexity: dense masked path,
+    O(n*m) time and memory (the sparsity is not exploited).
+    """
+
+    caps: ClassVar[Capabilities] = Capabilities(
+        family=FAMILY, paper=SURVEY, exact=True, complexity="O(n*m) (dense masked)"
+    )
+
+    def __init__(self, cfg: RandomConfig, dims: HeadDims) -> None:
+        super().__init__()
+        self.cfg, self.dims = cfg, dims
+
+    def bias(self, n: int, m: int, layer_idx: int = 0) -> torch.Tensor:
+        pat = random_pattern(n, m, self.cfg.num_random, self.cfg.seed, layer_idx)
+        return pattern_bias(pat)[None]
+
+    def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
+        return _run(self, q, k, v, ctx, None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LongformerConfig(MechanismConfig):
+    name: ClassVar[str] = "longformer"
+    window: int = 64  # w: one-sided sliding window, |i - j| <= w
+    global_tokens: tuple[int, ...] = (0,)  # G: global positions (e.g. [CLS] = 0)
+
+    def __post_init__(self) -> None:
+        _check(self.window >= 0, f"longformer window must be >= 0, got {self.window}")
+        _check(all(t >= 0 for t in self.global_tokens),
+               f"global tokens must be >= 0: {self.global_tokens}")
+
+
+@register_mechanism(LongformerConfig)
+class Longformer(nn.Module):
+    """Longformer attention: sliding window plus global tokens.
+
+    Paper: Beltagy, Peters, Cohan, "Longformer: The Long-Document Transformer", arXiv 2020.
+    Formula: softmax over j with |i - j| <= w or i in G or j in G. Complexity
+    O(n*(w+|G|)*d). Deviation: one set of projections for local and global attention (the
+    paper uses separate global Q/K/V projections); no dilation.
+    """
+
+    caps: ClassVar[Capabilities] = Capabilities(
+        family=FAMILY, paper="Beltagy et al. 2020", exact=True, complexity="O(n*(w+|G|))"
+    )
+
+    def __init__(self, cfg: LongformerConfig, dims: HeadDims) -> None:
+        super().__init__()
+        self.cfg, self.dims = cfg, dims
+
+    def bias(self, n: int, m: int, layer_idx: int = 0) -> torch.Tensor:
+        pat = band_pattern(n, m, self.cfg.window) | global_pattern(n, m, self.cfg.global_tokens)
+        return pattern_bias(pat)[None]
+
+    def _fast(self, q, k, v, ctx: AttnContext, scale: float, p: float) -> torch.Tensor:
+        return bs.local_global_attention(
+            q, k, v, window=self.cfg.window, global_tokens=self.cfg.global_tokens,
+            key_mask=ctx.key_mask, causal=ctx.causal, scale=scale, dropout=p,
+        )
+
+    def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
+        return _run(self, q, k, v, ctx, self._fast)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StarConfig(MechanismConfig):
+    name: ClassVar[str] = "star"
+    relay: int = 0  # position of the relay node (a position of the sequence, e.g. [CLS])
+
+    def __post_init__(self) -> None:
+        _check(self.relay >= 0, f"star relay must be >= 0, got {self.relay}")
+
+
+@register_mechanism(StarConfig)
+class Star(nn.Module):
+    """Star-Transformer attention: neighbours |i - j| <= 1 plus one relay node.
+
+    Paper: Guo, Qiu, Liu, Shao, Xue, Zhang, "Star-Transformer", NAACL 2019.
+    Formula: softmax over j with |i - j| <= 1 or i == relay or j == relay. Complexity
+    O(n*d). Deviation: the relay is a position of the sequence sharing the layer's
+    projections (the paper keeps a separate relay state updated in alternation); a relay
+    beyond the sequence length is ignored.
+    """
+
+    caps: ClassVar[Capabilities] = Capabilities(
+        family=FAMILY, paper="Guo et al. 2019", exact=True, complexity="O(n)"
+    )
+
+    def __init__(self, cfg: StarConfig, dims: HeadDims) -> None:
+        super().__init__()
+        self.cfg, self.dims = cfg, dims
+
+    def bias(self, n: int, m: int, layer_idx: int = 0) -> torch.Tensor:
+        return pattern_bias(star_pattern(n, m, self.cfg.relay))[None]
+
+    def _fast(self, q, k, v, ctx: AttnContext, scale: float, p: float) -> torch.Tensor:
+        return bs.local_global_attention(
+            q, k, v, window=1, global_tokens=(self.cfg.relay,), key_mask=ctx.key_mask,
+            causal=ctx.causal, scale=scale, dropout=p,
+        )
+
+    def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
+        return _run(self, q, k, v, ctx, self._fast)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BigBirdConfig(MechanismConfig):
+    name: ClassVar[str] = "bigbird"
+    block: int = 64  # b: block size of the block-sparse layout
+    window_blocks: int = 3  # w: sliding window in blocks (|qb - kb| <= w // 2)
+    num_random_blocks: int = 3  # r: random key blocks per query block
+    global_blocks: int = 1  # g: leading global blocks (rows and columns)
+    seed: int = 0  # seed of the random blocks, combined with the layer index and n
+
+    def __post_init__(self) -> None:
+        _check(self.block >= 1, f"bigbird block must be >= 1, got {self.block}")
+        _check(self.window_blocks >= 1, f"window_blocks must be >= 1, got {self.window_blocks}")
+        _check(self.num_random_blocks >= 0 and self.global_blocks >= 0,
+               "num_random_blocks and global_blocks must be >= 0")
+
+
+@register_mechanism(BigBirdConfig)
+class BigBird(nn.Module):
+    """BigBird (ITC) block-sparse attention: window, global and random blocks.
+
+    Paper: Zaheer et al., "Big Bird: Transformers for Longer Sequences", NeurIPS 2020.
+    Formula: query block qb attends key blocks |qb - kb| <= w // 2, the first g blocks and
+    r random blocks (drawn outside those, seeded by (seed, layer_idx, n)); the first g
+    query blocks attend everything. Complexity O(n*(w+g+r)*b*d). Deviation: the random
+    blocks are the same for every head and batch element of a layer.
+    """
+
+    caps: ClassVar[Capabilities] = Capabilities(
+        family=FAMILY, paper="Zaheer et al. 2020", exact=True, complexity="O(n*(w+g+r)*b)"
+    )
+
+    def __init__(self, cfg: BigBirdConfig, dims: HeadDims) -> None:
+        super().__init__()
+        self.cfg, self.dims = cfg, dims
+
+    def random_blocks(self, n: int, m: int, layer_idx: int = 0) -> torch.Tensor:
+        c = self.cfg
+        nqb, nkb = -(-n // c.block), -(-m // c.block)
+        return bigbird_random_blocks(nqb, nkb, c.window_blocks, c.num_random_blocks,
+                                     c.global_blocks, c.seed, layer_idx, n)
+
+    def bias(self, n: int, m: int, layer_idx: int = 0) -> torch.Tensor:
+        c = self.cfg
+        nqb, nkb = -(-n // c.block), -(-m // c.block)
+        layout = bigbird_layout(nqb, nkb, c.window_blocks, c.global_blocks,
+                                self.random_blocks(n, m, layer_idx))
+        return pattern_bias(block_layout_to_pattern(layout, c.block, n, m))[None]
+
+    def _fast(self, q, k, v, ctx: AttnContext, scale: float, p: float) -> torch.Tensor:
+        c, n = self.cfg, q.shape[2]
+        blk, half, g = c.block, c.window_blocks // 2, c.global_blocks
+        nqb = -(-n // blk)
+        offs = torch.arange(blk)
+        rnd = self.random_blocks(n, n, ctx.layer_idx)  # [nqb,r]
+        rpos = (rnd[:, :, None] * blk + offs).masked_fill(rnd[:, :, None] < 0, -1)
+        gpos = torch.arange(min(g * blk, n)).expand(nqb, -1)  # global key columns
+        extra = torch.cat([gpos, rpos.reshape(nqb, -1)], dim=1).to(q.device)  # [nqb,R]
+
+        def pattern(i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+            return j // blk >= g  # the window minus the global columns (they are extras)
+
+        out = bs.blocked_attention(
+            q, k, v, block=blk, left=half * blk, width=(2 * half + 1) * blk, pattern=pattern,
+            extra=extra, key_mask=ctx.key_mask, causal=ctx.causal, scale=scale, dropout=p,
+        )
+        if g > 0:
+            rows = torch.arange(min(g * blk, n), device=q.device)
+            dense = bs.dense_rows(q, k, v, rows, key_mask=ctx.key_mask, causal=ctx.causal,
+                                  scale=scale, dropout=p)
+            out = torch.cat([dense, out[:, :, rows.shape[0]:]], dim=2)
+        return out
+
+    def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
+        c = self.cfg
+        keys = (c.window_blocks // 2 * 2 + 1 + c.global_blocks + c.num_random_blocks) * c.block
+        # when every query sees about all keys anyway, the dense path is faster
+        return _run(self, q, k, v, ctx, self._fast if 2 * keys <= q.shape[2] else None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SparseTransformerConfig(MechanismConfig):
+    name: ClassVar[str] = "sparse_transformer"
+    mode: Literal["strided", "fixed"] = "strided"  # factorization: strided or fixed
+    stride: int = 64  # l: stride / block length
+    summary: int = 1  # c: summary cells per block in the fixed mode
+
+    def __post_init__(self) -> None:
+        _check(self.stride >= 1, f"stride must be >= 1, got {self.stride}")
+        _check(1 <= self.summary <= self.stride,
+               f"summary must be in 1..stride ({self.stride}), got {self.summary}")
+
+
+@register_mechanism(SparseTransformerConfig)
+class SparseTransformer(nn.Module):
+    """Sparse Transformer factorized attention (union of its two heads' patterns).
+
+    Paper: Child, Gray, Radford, Sutskever, "Generating Long Sequences with Sparse
+    Transformers", arXiv 2019. Formula: strided |i - j| < l or (i - j) % l == 0; fixed
+    i // l == j // l or j % l >= l - c. Complexity: dense masked path, O(n*m) time and
+    memory (the paper's kernels reach O(n*sqrt(n))). Deviation: the two factorized
+    patterns are merged into one head (the paper's "merged" variant) and are bidirectional
+    unless ``ctx.causal``.
+    """
+
+    caps: ClassVar[Capabilities] = Capabilities(
+        family=FAMILY, paper="Child et al. 2019", exact=True, complexity="O(n*m) (dense masked)"
+    )
+
+    def __init__(self, cfg: SparseTransformerConfig, dims: HeadDims) -> None:
+        super().__init__()
+        self.cfg, self.dims = cfg, dims
+
+    def bias(self, n: int, m: int, layer_idx: int = 0) -> torch.Tensor:
+        c = self.cfg
+        if c.mode == "strided":
+            return pattern_bias(strided_pattern(n, m, c.stride))[None]
+        return pattern_bias(fixed_pattern(n, m, c.stride, c.summary))[None]
+
+    def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
+        return _run(self, q, k, v, ctx, None)

@@ -1,0 +1,387 @@
+"""Sparse-pattern family: patterns vs the rule text, the blocked engine vs the reference.
+
+Tolerances: fp32 outputs and gradients at 1e-5 (atol and rtol) against
+``core.reference_attention``; float64 gradchecks of the hand-written backward at the
+``torch.autograd.gradcheck`` defaults (eps 1e-6, atol 1e-5, rtol 1e-3, fast mode); patterns
+exact.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from unittest import mock
+
+import pytest
+import torch
+
+import attnlab
+from attnlab.core import RegistryError, resolve_config
+from attnlab.mechanisms import _blocksparse as bs
+
+NEG_INF = float("-inf")
+
+
+def build(spec: str, heads: int = 2, head_dim: int = 8):
+    return attnlab.build_mechanism(spec, attnlab.HeadDims(heads, head_dim)).eval()
+
+
+def brute(n: int, m: int, rule) -> torch.Tensor:
+    """[1, n, m] bias from a literal double loop over (i, j)."""
+    out = torch.full((1, n, m), NEG_INF)
+    for i, j in itertools.product(range(n), range(m)):
+        if rule(i, j):
+            out[0, i, j] = 0.0
+    return out
+
+
+# ----------------------------------------------------------------- patterns vs the rule text
+
+RULES = [
+    *[(f"band(window={w})", lambda i, j, w=w: abs(i - j) <= w) for w in (0, 1, 3)],
+    *[
+        (f"dilated(window={w}, dilation={r})",
+         lambda i, j, w=w, r=r: abs(i - j) <= w * r and (i - j) % r == 0)
+        for w, r in ((1, 1), (2, 2), (1, 3), (3, 2))
+    ],
+    *[(f"block_local(block={b})", lambda i, j, b=b: i // b == j // b) for b in (1, 4, 5)],
+    *[
+        (f"global_tokens(tokens={list(t)})",
+         lambda i, j, t=t: i in t or j in t or i == j)
+        for t in ((0,), (0, 5), (3, 20))
+    ],
+    *[
+        (f"longformer(window={w}, global_tokens={list(t)})",
+         lambda i, j, w=w, t=t: abs(i - j) <= w or i in t or j in t)
+        for w, t in ((1, (0,)), (2, (0, 3)))
+    ],
+    *[
+        (f"star(relay={r})", lambda i, j, r=r: abs(i - j) <= 1 or i == r or j == r)
+        for r in (0, 4)
+    ],
+    *[
+        (f"sparse_transformer(mode='strided', stride={s})",
+         lambda i, j, s=s: abs(i - j) < s or (i - j) % s == 0)
+        for s in (3, 4)
+    ],
+    *[
+        (f"sparse_transformer(mode='fixed', stride={s}, summary={c})",
+         lambda i, j, s=s, c=c: i // s == j // s or j % s >= s - c)
+        for s, c in ((4, 1), (4, 2), (5, 1))
+    ],
+]
+
+
+@pytest.mark.parametrize("spec,rule", RULES, ids=[r[0] for r in RULES])
+@pytest.mark.parametrize("n,m", [(13, 13), (17, 17), (7, 11)])
+def test_bias_equals_rule(spec, rule, n, m):
+    torch.testing.assert_close(build(spec).bias(n, m), brute(n, m, rule), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "block,wb,r,g", [(4, 3, 1, 1), (3, 3, 2, 1), (4, 5, 1, 2), (2, 2, 3, 0), (5, 1, 0, 1)]
+)
+@pytest.mark.parametrize("n", [13, 22])
+def test_bigbird_bias_equals_rule(block, wb, r, g, n):
+    mech = build(f"bigbird(block={block}, window_blocks={wb}, num_random_blocks={r}, "
+                 f"global_blocks={g}, seed=3)")
+    rnd = mech.random_blocks(n, n, layer_idx=1)  # [nqb, r]
+
+    def rule(i, j):
+        qb, kb = i // block, j // block
+        return abs(qb - kb) <= wb // 2 or kb < g or qb < g or kb in rnd[qb].tolist()
+
+    torch.testing.assert_close(mech.bias(n, n, layer_idx=1), brute(n, n, rule), atol=0, rtol=0)
+
+
+def test_bigbird_random_blocks_are_distinct_and_outside_window_and_global():
+    mech = build("bigbird(block=2, window_blocks=3, num_random_blocks=3, global_blocks=1)")
+    n = 40
+    nqb = n // 2
+    rnd = mech.random_blocks(n, n, layer_idx=0)
+    assert rnd.shape == (nqb, 3)
+    for qb in range(nqb):
+        picks = [kb for kb in rnd[qb].tolist() if kb >= 0]
+        free = [kb for kb in range(nqb) if abs(qb - kb) > 1 and kb >= 1]
+        assert len(set(picks)) == len(picks) == min(3, len(free))
+        assert set(picks) <= set(free)
+    # seeded by (seed, layer_idx, n)
+    assert torch.equal(rnd, mech.random_blocks(n, n, layer_idx=0))
+    assert not torch.equal(rnd, mech.random_blocks(n, n, layer_idx=1))
+
+
+def test_random_pattern_rule_and_seeding():
+    mech = build("random(num_random=3, seed=1)")
+    n = 29
+    allowed = mech.bias(n, n) == 0  # [1,n,n]
+    assert allowed[0].diagonal().all()  # j == i always
+    off = allowed[0] & ~torch.eye(n, dtype=torch.bool)
+    # exactly r keys drawn per query (one of them may be the query itself)
+    assert set(off.sum(-1).tolist()) <= {2, 3} and (off.sum(-1) == 3).float().mean() > 0.5
+    assert torch.equal(mech.bias(n, n), mech.bias(n, n))  # across calls
+    assert not torch.equal(mech.bias(n, n, layer_idx=0), mech.bias(n, n, layer_idx=1))
+    assert not torch.equal(mech.bias(n, n), build("random(num_random=3, seed=2)").bias(n, n))
+
+
+def test_random_identical_in_train_and_eval():
+    mech = build("random(num_random=2, seed=0)")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 21, 8, generator=g) for _ in range(3))
+    c = attnlab.AttnContext(layer_idx=3)
+    out_eval = mech(q, k, v, c).out
+    out_train = mech.train()(q, k, v, c).out  # no dropout in the context
+    assert torch.equal(out_eval, out_train)
+    assert torch.equal(out_eval, mech.eval()(q, k, v, c).out)
+
+
+# -------------------------------------------------------------------- dense equivalences
+
+
+@pytest.mark.parametrize("n", [19, 300])  # dense path, blocked path
+def test_band_wider_than_sequence_is_dense_softmax(n):
+    mech = build(f"band(window={n})")
+    g = torch.Generator().manual_seed(n)
+    q, k, v = (torch.randn(2, 2, n, 8, generator=g) for _ in range(3))
+    key_mask = torch.arange(n)[None, :] < torch.tensor([n, n // 2])[:, None]
+    for causal in (False, True):
+        c = attnlab.AttnContext(key_mask=key_mask, causal=causal)
+        ref, _ = attnlab.reference_attention(q, k, v, key_mask=key_mask, causal=causal)
+        torch.testing.assert_close(mech(q, k, v, c).out, ref, atol=1e-5, rtol=1e-5)
+
+
+# -------------------------------------------------------- blocked path vs the reference
+
+N_FAST = 300  # >= DENSE_FALLBACK_MAX_LEN and not a multiple of the query block
+FAST = [
+    "band(window=5)",
+    "band(window=70)",
+    "dilated(window=3, dilation=3)",
+    "block_local(block=5)",
+    "block_local(block=100)",
+    "global_tokens(tokens=[0, 7, 299])",
+    "longformer(window=6, global_tokens=[0, 3, 150])",
+    "star(relay=4)",
+    "bigbird(block=8, window_blocks=3, num_random_blocks=2, global_blocks=1)",
+    "bigbird(block=16, window_blocks=5, num_random_blocks=1, global_blocks=2)",
+]
+
+
+def _qkv(n: int, b: int = 3, h: int = 2, d: int = 8, seed: int = 0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, h, n, d, generator=g, dtype=dtype).requires_grad_() for _ in range(3)]
+
+
+def test_fast_threshold_is_above_test_length():
+    assert bs.use_blocked(N_FAST, N_FAST, need_weights=False)
+    assert not bs.use_blocked(N_FAST, N_FAST, need_weights=True)
+    assert not bs.use_blocked(N_FAST, N_FAST + 1, need_weights=False)
+
+
+@pytest.mark.parametrize("spec", FAST)
+@pytest.mark.parametrize("causal", [False, True])
+def test_blocked_path_matches_reference(spec, causal):
+    mech = build(spec)
+    q, k, v = _qkv(N_FAST, seed=len(spec))
+    lengths = torch.tensor([N_FAST, 170, 0])  # full, padded, fully masked
+    key_mask = torch.arange(N_FAST)[None, :] < lengths[:, None]
+    c = attnlab.AttnContext(key_mask=key_mask, causal=causal, layer_idx=2)
+    with mock.patch.object(bs, "blocked_attention", wraps=bs.blocked_attention) as spy:
+        out = mech(q, k, v, c).out
+    assert spy.called, "the blocked path did not run"
+    bias = mech.bias(N_FAST, N_FAST, layer_idx=2)
+    ref, _ = attnlab.reference_attention(q, k, v, bias=bias, key_mask=key_mask, causal=causal)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert (out[2] == 0).all()
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    grads_ref = torch.autograd.grad(ref, (q, k, v), g)
+    for a, r in zip(grads, grads_ref, strict=True):
+        torch.testing.assert_close(a, r, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [4000, 20_000, 1 << 22])  # part of a head, heads, all
+@pytest.mark.parametrize("padded", [True, False])  # chunks per batch element / across it
+def test_blocked_chunking_is_invisible(chunk, padded, monkeypatch):
+    monkeypatch.setattr(bs, "CHUNK_ELEMS", chunk)
+    mech = build("longformer(window=9, global_tokens=[1])", heads=3)
+    q, k, v = _qkv(N_FAST, h=3, seed=5)
+    lengths = torch.tensor([N_FAST, 200, 40] if padded else [N_FAST] * 3)
+    key_mask = torch.arange(N_FAST)[None, :] < lengths[:, None]
+    c = attnlab.AttnContext(key_mask=key_mask, causal=False)
+    out = mech(q, k, v, c).out
+    ref, _ = attnlab.reference_attention(
+        q, k, v, bias=mech.bias(N_FAST, N_FAST), key_mask=key_mask
+    )
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    grads_ref = torch.autograd.grad(ref, (q, k, v), g)
+    for a, r in zip(grads, grads_ref, strict=True):
+        torch.testing.assert_close(a, r, atol=1e-5, rtol=1e-5)
+
+
+def test_need_weights_gives_reference_probs_at_long_lengths():
+    mech = build("band(window=4)")
+    q, k, v = (t.detach() for t in _qkv(N_FAST, b=1))
+    res = mech(q, k, v, attnlab.AttnContext(need_weights=True))
+    fast = mech(q, k, v, attnlab.AttnContext()).out
+    ref, probs = attnlab.reference_attention(q, k, v, bias=mech.bias(N_FAST, N_FAST))
+    torch.testing.assert_close(res.probs, probs, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fast, res.out, atol=1e-5, rtol=1e-5)
+
+
+def test_unequal_lengths_use_the_dense_path():
+    mech = build("band(window=6)")
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, N_FAST, 8, generator=g)
+    k, v = (torch.randn(1, 2, N_FAST + 20, 8, generator=g) for _ in range(2))
+    out = mech(q, k, v, attnlab.AttnContext(causal=True)).out
+    ref, _ = attnlab.reference_attention(q, k, v, bias=mech.bias(N_FAST, N_FAST + 20),
+                                         causal=True)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_blocked_bf16_runs():
+    mech = build("longformer(window=8, global_tokens=[0])")
+    q, k, v = (t.detach() for t in _qkv(N_FAST, dtype=torch.bfloat16))
+    out = mech(q, k, v, attnlab.AttnContext()).out
+    ref, _ = attnlab.reference_attention(q.float(), k.float(), v.float(),
+                                         bias=mech.bias(N_FAST, N_FAST))
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)  # bf16: ~8 bits
+
+
+# ------------------------------------------------ the hand-written backward (float64)
+
+
+def _engine(p: float, causal: bool, extra: bool):
+    n, block, w = 21, 4, 3
+    ex = torch.tensor([[0, 17, -1]]).expand(-(-n // block), -1) if extra else None
+    key_mask = torch.arange(n)[None, :] < torch.tensor([n, 12])[:, None]
+
+    def pattern(i, j):
+        return ((i - j).abs() <= w) & (j != 0) & (j != 17) if extra else (i - j).abs() <= w
+
+    bias, live = bs.build_block_bias(n, block, w, bs.window_width(block, w, w), pattern, ex,
+                                     key_mask, causal, torch.float64, torch.device("cpu"))
+    lay = bs._Layout(n, block, w, bs.window_width(block, w, w), 2 * 2)
+    xi = None if ex is None else ex.clamp(0, n - 1)
+
+    def fn(q, k, v):
+        return bs._BlockedAttention.apply(q, k, v, bias, live, xi, lay, 0.4, p, 1234)
+
+    return fn, n
+
+
+@pytest.mark.parametrize("p,causal,extra", [(0.0, False, True), (0.0, True, False),
+                                            (0.3, False, False), (0.3, True, True)])
+def test_blocked_backward_gradcheck(p, causal, extra):
+    fn, n = _engine(p, causal, extra)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(4, n, 3, generator=g, dtype=torch.float64).requires_grad_()
+               for _ in range(3))
+    assert torch.autograd.gradcheck(fn, (q, k, v), fast_mode=True)
+
+
+def test_dropout_only_in_training():
+    mech = build("band(window=8)")
+    q, k, v = (t.detach() for t in _qkv(N_FAST, b=1))
+    c = attnlab.AttnContext(dropout=0.5)
+    clean = mech(q, k, v, attnlab.AttnContext()).out
+    assert torch.equal(mech(q, k, v, c).out, clean)  # eval: no dropout
+    torch.manual_seed(0)
+    noisy = mech.train()(q, k, v, c).out
+    assert torch.isfinite(noisy).all() and not torch.allclose(noisy, clean)
+
+
+# ------------------------------------------------------------------------- configs
+
+
+def test_spec_strings_parse():
+    cfg = resolve_config("longformer(window=64, global_tokens=[0])")
+    assert (cfg.name, cfg.window, cfg.global_tokens) == ("longformer", 64, (0,))
+    cfg = resolve_config("sparse_transformer(mode='fixed', stride=8, summary=2)")
+    assert (cfg.mode, cfg.stride, cfg.summary) == ("fixed", 8, 2)
+    cfg = resolve_config("bigbird(block=32, num_random_blocks=2)")
+    assert resolve_config(cfg.spec()) == cfg
+    assert resolve_config("global_tokens(tokens=[0, 5])").tokens == (0, 5)
+
+
+@pytest.mark.parametrize(
+    "spec,needle",
+    [
+        ("band(window=-1)", "window"),
+        ("dilated(dilation=0)", "dilation"),
+        ("block_local(block=0)", "block"),
+        ("sparse_transformer(mode='diagonal')", "mode"),
+        ("sparse_transformer(stride=4, summary=5)", "summary"),
+        ("longformer(windw=3)", "window"),
+    ],
+)
+def test_bad_configs_name_the_problem(spec, needle):
+    with pytest.raises(RegistryError, match=needle):
+        resolve_config(spec)
+
+
+# --------------------------------------------------------------- FlexAttention backend
+
+FLEX_SPECS = ["band(window=5)", "longformer(window=4, global_tokens=[0, 9])",
+              "bigbird(block=8, window_blocks=3, num_random_blocks=1, global_blocks=1)",
+              "random(num_random=3)"]
+
+
+@pytest.mark.parametrize("spec", FLEX_SPECS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_flex_masks_match_reference_on_cpu_forward(spec, causal):
+    """The cached BlockMask + key-mask score_mod, run by eager FlexAttention (forward only
+    on CPU): equal to the reference at 1e-5."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    from attnlab.mechanisms import _flex
+
+    mech = build(spec)
+    n = 70
+    q, k, v = (t.detach() for t in _qkv(n, seed=3))
+    key_mask = torch.arange(n)[None, :] < torch.tensor([n, 33, 0])[:, None]
+    bias = mech.bias(n, n, layer_idx=1)
+    with warnings.catch_warnings():  # eager FlexAttention warns that it is slow
+        warnings.simplefilter("ignore")
+        out = _flex.flex_pattern_attention(
+            q, k, v, lambda: bias[0] == 0, (mech.cfg, 1), key_mask=key_mask, causal=causal,
+            scale=8**-0.5, compiled=False,
+        )
+    ref, _ = attnlab.reference_attention(q, k, v, bias=bias, key_mask=key_mask, causal=causal)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention backend needs CUDA")
+@pytest.mark.parametrize("spec", FAST[:3] + FAST[-2:])
+def test_flex_cuda_matches_cpu_blocked_path(spec):
+    mech = build(spec)
+    q, k, v = _qkv(N_FAST, seed=1)
+    key_mask = torch.arange(N_FAST)[None, :] < torch.tensor([N_FAST, 170, 0])[:, None]
+    c = attnlab.AttnContext(key_mask=key_mask, causal=True)
+    out = mech(q, k, v, c).out
+    qc, kc, vc = (t.detach().cuda().requires_grad_() for t in (q, k, v))
+    out_c = mech.cuda()(qc, kc, vc, attnlab.AttnContext(key_mask=key_mask.cuda(), causal=True)).out
+    torch.testing.assert_close(out_c.cpu(), out, atol=1e-5, rtol=1e-5)  # fp32 on both sides
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    grads_c = torch.autograd.grad(out_c, (qc, kc, vc), g.cuda())
+    for a, r in zip(grads_c, grads, strict=True):
+        torch.testing.assert_close(a.cpu(), r, atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------- benchmark
+
+
+def test_bench_sparse_smoke():
+    """The benchmark runs end to end (two subprocesses) and formats its table."""
+    from attnlab.bench.speed import bench_sparse, format_markdown
+
+    rows = bench_sparse(ns=(256,), window=8, heads=1, head_dim=8, repeats=1, progress=False)
+    assert [r["method"] for r in rows] == ["sdpa", "band(window=8)"]
+    for r in rows:
+        assert r["fwd_ms"] > 0 and r["fwdbwd_ms"] > 0 and r["peak_mem_mb"] >= 0
+    assert rows[0]["fwdbwd_speedup"] == 1.0
+    table = format_markdown(rows)
+    assert table.count("\n") == 4 and "`band(window=8)`" in table
