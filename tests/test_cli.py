@@ -1,6 +1,7 @@
 """The command line: ls, validate, compare (tiny), params, errors."""
 
 import json
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -28,8 +29,6 @@ def test_ls_table_and_markdown():
 
 
 def test_docs_catalogue_is_up_to_date():
-    from pathlib import Path
-
     from attnlab.catalogue import catalogue_markdown
 
     path = Path(__file__).resolve().parents[1] / "docs" / "mechanisms.md"
@@ -52,11 +51,12 @@ def test_validate_reports_unknown_mechanism_in_plan(tmp_path):
     assert res.exit_code == 2 and "band" in res.output
 
 
-@pytest.mark.parametrize("cfg", ["configs/glue/cola.yaml", "configs/conll2003.yaml",
-                                 "configs/squad.yaml", "configs/quickstart.yaml"])
-def test_shipped_configs_validate(cfg):
-    from pathlib import Path
+CONFIGS = sorted(str(p.relative_to(Path(__file__).resolve().parents[1]))
+                 for p in (Path(__file__).resolve().parents[1] / "configs").rglob("*.yaml"))
 
+
+@pytest.mark.parametrize("cfg", CONFIGS)
+def test_shipped_configs_validate(cfg):
     path = Path(__file__).resolve().parents[1] / cfg
     res = runner.invoke(app, ["validate", str(path)])
     assert res.exit_code == 0, res.output
@@ -77,3 +77,11 @@ def test_compare_tiny(tmp_path):
     assert [r["variant"] for r in rows] == ["baseline", "0-1:all:band(window=2)"]
     assert all(r["seeds"] == 2 and len(r["values"]) == 2 for r in rows)
     assert (out / "baseline" / "seed-1" / "summary.json").is_file()
+
+
+def test_vary_values_with_commas_use_pipes():
+    from attnlab.recipes.compare import parse_vary
+
+    vary = parse_vary(["plan=baseline|0,1:0,2:jat(rho=4.0, coef=0.5)", "optim.lr=1e-4,3e-4"])
+    assert vary == [("plan", ["baseline", "0,1:0,2:jat(rho=4.0, coef=0.5)"]),
+                    ("optim.lr", ["1e-4", "3e-4"])]

@@ -7,7 +7,9 @@ them: main metric mean ± std over seeds, parameters trained (with the % of the
 backbone), train time per step and peak memory.
 
 Values of ``plan`` are named plans (``NAMED_PLANS``; ``baseline`` = no change) or compact
-rules ``LAYERS:HEADS:SPEC`` joined by ';'. Values of other keys are YAML scalars.
+rules ``LAYERS:HEADS:SPEC`` joined by ';'. Values of other keys are YAML scalars. Values
+are separated by commas outside brackets, or by '|' when any value has a top-level comma
+(``--vary 'plan=baseline|0,1,4,5:0,2,4,6,8,10:jat(rho=4.5)'``).
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ NAMED_PLANS: dict[str, list[str]] = {
     # BERT-JAT scaled to the 6-layer MiniLM: layers {1,2,3,8,9,10} of 12 -> {0,1,4,5} of 6,
     # JAT on the even heads (6 of 12), the paper's rho=5 and coef=0.5 (docs/results.md).
     "jat": ["0,1,4,5:0,2,4,6,8,10:jat(rho=5.0, coef=0.5)"],
+    # the same for encoder_config("small") (4 layers x 8 heads): middle layers, even heads
+    "jat_small": ["1,2:0,2,4,6:jat(rho=5.0, coef=0.5)"],
 }
 
 
@@ -57,7 +61,8 @@ def parse_vary(items: list[str]) -> list[tuple[str, list[str]]]:
         if "=" not in item:
             raise ConfigError(f"--vary {item!r} must look like key=value1,value2")
         key, vals = item.split("=", 1)
-        values = [v.strip() for v in _split_commas(vals) if v.strip()]
+        pieces = vals.split("|") if "|" in vals else _split_commas(vals)
+        values = [v.strip() for v in pieces if v.strip()]
         if not values:
             raise ConfigError(f"--vary {item!r} lists no values")
         out.append((key.strip(), values))
