@@ -24,7 +24,6 @@ AdapterHub's Houlsby implementation (the paper does not say where dropout goes).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -32,16 +31,14 @@ import torch
 from torch import nn
 
 from .base import (
+    RequiresGradTuner,
     TaskInfo,
     TunerConfig,
     encoder_layers,
     finish_tuning,
-    load_exact,
     register_tuner,
-    requires_grad_parameters,
     set_trainable,
     start_tuning,
-    trainable_state,
 )
 
 _ACTS = {"relu": nn.ReLU, "gelu": nn.GELU, "swish": nn.SiLU, "tanh": nn.Tanh}
@@ -113,7 +110,7 @@ def _sublayer_outputs(layer: nn.Module) -> list[nn.Module]:
 
 
 @register_tuner(AdapterConfig)
-class AdapterTuner:
+class AdapterTuner(RequiresGradTuner):
     """Inserts two adapters per layer; trains adapters, LayerNorms and head."""
 
     def apply(self, model: nn.Module, cfg: AdapterConfig, task: TaskInfo | None = None
@@ -140,18 +137,3 @@ class AdapterTuner:
                 if id(p) in adapter_params or id(p) in layer_norm_params]
         set_trainable(model, keep)
         return finish_tuning(model, record)
-
-    def trainable_parameters(self, model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-        return requires_grad_parameters(model)
-
-    def state_dict_to_save(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        return trainable_state(model)
-
-    def load_tuned(self, model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
-        load_exact(model, state, (n for n, _ in requires_grad_parameters(model)))
-
-    def aux_loss(self, model: nn.Module) -> torch.Tensor | None:
-        return None
-
-    def finalize(self, model: nn.Module) -> None:
-        return None

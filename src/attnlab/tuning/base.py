@@ -158,6 +158,30 @@ class Tuner(Protocol):
         ...
 
 
+class RequiresGradTuner:
+    """Defaults shared by the built-in tuners (composition would need a field per method).
+
+    The tuned weights are exactly the parameters left with ``requires_grad`` (head
+    included); they are what is saved and loaded; no auxiliary loss; nothing to finalize.
+    Tuners override what differs (peft's own state dict, Diff-Prune's gates and L0 loss).
+    """
+
+    def trainable_parameters(self, model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+        return requires_grad_parameters(model)
+
+    def state_dict_to_save(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        return trainable_state(model)
+
+    def load_tuned(self, model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+        load_exact(model, state, (n for n, _ in requires_grad_parameters(model)))
+
+    def aux_loss(self, model: nn.Module) -> torch.Tensor | None:
+        return None
+
+    def finalize(self, model: nn.Module) -> None:
+        return None
+
+
 TUNERS: Registry[Tuner] = Registry("tuner")
 
 

@@ -9,22 +9,18 @@ code selects by name. On BERT-base that is about 0.1% of the backbone.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 from .base import (
+    RequiresGradTuner,
     TaskInfo,
     TunerConfig,
     finish_tuning,
-    load_exact,
     register_tuner,
-    requires_grad_parameters,
     set_trainable,
     start_tuning,
-    trainable_state,
 )
 
 
@@ -37,7 +33,7 @@ class BitFitConfig(TunerConfig):
 
 
 @register_tuner(BitFitConfig)
-class BitFitTuner:
+class BitFitTuner(RequiresGradTuner):
     """Freeze everything but biases and the head."""
 
     def apply(self, model: nn.Module, cfg: BitFitConfig, task: TaskInfo | None = None
@@ -53,18 +49,3 @@ class BitFitTuner:
         ]
         set_trainable(model, keep)
         return finish_tuning(model, record)
-
-    def trainable_parameters(self, model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-        return requires_grad_parameters(model)
-
-    def state_dict_to_save(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        return trainable_state(model)
-
-    def load_tuned(self, model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
-        load_exact(model, state, (n for n, _ in requires_grad_parameters(model)))
-
-    def aux_loss(self, model: nn.Module) -> torch.Tensor | None:
-        return None
-
-    def finalize(self, model: nn.Module) -> None:
-        return None

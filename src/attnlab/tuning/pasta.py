@@ -30,7 +30,6 @@ the same distribution as the official per-vector dropouts.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -42,18 +41,16 @@ from .base import (
     BERT_SPECIAL_IDS,
     DOUBLE_SEP_FAMILIES,
     OptimRecipe,
+    RequiresGradTuner,
     TaskInfo,
     TunerConfig,
     backbone_of,
     encoder_layers,
     finish_tuning,
-    load_exact,
     model_family,
     register_tuner,
-    requires_grad_parameters,
     set_trainable,
     start_tuning,
-    trainable_state,
 )
 
 # Attached to the backbone: parameters are named "<backbone>.pasta.vectors.<l>.weight".
@@ -190,7 +187,7 @@ def special_token_count(model: nn.Module, kind: str) -> int:
 
 
 @register_tuner(PastaConfig)
-class PastaTuner:
+class PastaTuner(RequiresGradTuner):
     """Adds the per-layer special-token tables and hooks; trains them and the head."""
 
     def apply(self, model: nn.Module, cfg: PastaConfig, task: TaskInfo | None = None
@@ -224,20 +221,6 @@ class PastaTuner:
         set_trainable(model, keep)
         return finish_tuning(model, record)
 
-    def trainable_parameters(self, model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-        return requires_grad_parameters(model)
-
-    def state_dict_to_save(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        return trainable_state(model)
-
-    def load_tuned(self, model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
-        load_exact(model, state, (n for n, _ in requires_grad_parameters(model)))
-
-    def aux_loss(self, model: nn.Module) -> torch.Tensor | None:
-        return None
-
-    def finalize(self, model: nn.Module) -> None:
-        return None
 
 
 def pasta_module(model: nn.Module) -> PastaVectors:

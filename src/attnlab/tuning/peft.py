@@ -34,12 +34,12 @@ import torch
 from torch import nn
 
 from .base import (
+    RequiresGradTuner,
     TaskInfo,
     TunerConfig,
     backbone_of,
     finish_tuning,
     register_tuner,
-    requires_grad_parameters,
     start_tuning,
     unwrap_peft,
 )
@@ -131,8 +131,18 @@ def _peft_load(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
         raise KeyError(f"peft did not use {unused[:5]}")
 
 
+class _PeftTuner(RequiresGradTuner):
+    """peft keeps its own adapter state (LoRA matrices / prefix + the head's trained copy)."""
+
+    def state_dict_to_save(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        return _peft_state(model)
+
+    def load_tuned(self, model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+        _peft_load(model, state)
+
+
 @register_tuner(LoraTunerConfig)
-class LoraTuner:
+class LoraTuner(_PeftTuner):
     """LoRA via ``peft.get_peft_model(model, LoraConfig(...))``."""
 
     def apply(self, model: nn.Module, cfg: LoraTunerConfig, task: TaskInfo | None = None
@@ -147,24 +157,10 @@ class LoraTuner:
         )
         return finish_tuning(_wrap(model, peft_cfg), record)
 
-    def trainable_parameters(self, model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-        return requires_grad_parameters(model)
-
-    def state_dict_to_save(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        return _peft_state(model)
-
-    def load_tuned(self, model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
-        _peft_load(model, state)
-
-    def aux_loss(self, model: nn.Module) -> torch.Tensor | None:
-        return None
-
-    def finalize(self, model: nn.Module) -> None:
-        return None
 
 
 @register_tuner(PrefixTunerConfig)
-class PrefixTuner:
+class PrefixTuner(_PeftTuner):
     """Prefix tuning via ``peft.get_peft_model(model, PrefixTuningConfig(...))``."""
 
     def apply(self, model: nn.Module, cfg: PrefixTunerConfig, task: TaskInfo | None = None
@@ -179,18 +175,3 @@ class PrefixTuner:
             encoder_hidden_size=cfg.encoder_hidden_size or int(model.config.hidden_size),
         )
         return finish_tuning(_wrap(model, peft_cfg), record)
-
-    def trainable_parameters(self, model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-        return requires_grad_parameters(model)
-
-    def state_dict_to_save(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        return _peft_state(model)
-
-    def load_tuned(self, model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
-        _peft_load(model, state)
-
-    def aux_loss(self, model: nn.Module) -> torch.Tensor | None:
-        return None
-
-    def finalize(self, model: nn.Module) -> None:
-        return None
