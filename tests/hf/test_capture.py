@@ -66,13 +66,11 @@ def test_batch_without_inputs_is_an_error(tiny_bert):
         capture_attention(tiny_bert, {"input_ids": torch.ones(1, 3).long()}, on_missing="skip")
 
 
-def test_capture_through_lora_wrapped_projections(padded_batch):
+def test_capture_through_lora_wrapped_projections(bert_factory, padded_batch):
     """peft's LoRA wraps query/value in layers holding the nn.Linear as ``base_layer``."""
-    from conftest import make_tiny_bert
-
     from attnlab.tuning import resolve_tuning
 
-    model = make_tiny_bert("BertForSequenceClassification")
+    model = bert_factory("BertForSequenceClassification")
     before = capture_attention(model, padded_batch)
     tuner, cfg = resolve_tuning("lora(r=4)")
     wrapped = tuner.apply(model, cfg)
