@@ -45,7 +45,8 @@ def ls(
         typer.echo(json.dumps(rows, indent=2))
         return
     table = Table(title=f"attnlab mechanisms ({len(rows)})")
-    for col in ("name", "family", "scope", "complexity", "exact", "causal", "paper"):
+    table.add_column("name", no_wrap=True)
+    for col in ("family", "scope", "complexity", "exact", "causal", "paper"):
         table.add_column(col)
     for r in rows:
         table.add_row(

@@ -199,6 +199,22 @@ def test_blocked_path_matches_reference(spec, causal):
         torch.testing.assert_close(a, r, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_blocked_path_without_padding_or_dead_rows(causal):
+    """n a multiple of the query block and no key mask: the path that skips row masking."""
+    n = 5 * bs.DEFAULT_BLOCK
+    mech = build("band(window=7)")
+    q, k, v = _qkv(n, seed=7)
+    out = mech(q, k, v, attnlab.AttnContext(causal=causal)).out
+    ref, _ = attnlab.reference_attention(q, k, v, bias=mech.bias(n, n), causal=causal)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    grads_ref = torch.autograd.grad(ref, (q, k, v), g)
+    for a, r in zip(grads, grads_ref, strict=True):
+        torch.testing.assert_close(a, r, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("chunk", [4000, 20_000, 1 << 22])  # part of a head, heads, all
 @pytest.mark.parametrize("padded", [True, False])  # chunks per batch element / across it
 def test_blocked_chunking_is_invisible(chunk, padded, monkeypatch):
@@ -356,13 +372,19 @@ def test_flex_masks_match_reference_on_cpu_forward(spec, causal):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention backend needs CUDA")
 @pytest.mark.parametrize("spec", FAST[:3] + FAST[-2:])
 def test_flex_cuda_matches_cpu_blocked_path(spec):
-    mech = build(spec)
-    q, k, v = _qkv(N_FAST, seed=1)
+    from attnlab.mechanisms import _flex
+
+    mech = build(spec, head_dim=16)  # FlexAttention needs head dim >= 16
+    q, k, v = _qkv(N_FAST, d=16, seed=1)
     key_mask = torch.arange(N_FAST)[None, :] < torch.tensor([N_FAST, 170, 0])[:, None]
     c = attnlab.AttnContext(key_mask=key_mask, causal=True)
     out = mech(q, k, v, c).out
     qc, kc, vc = (t.detach().cuda().requires_grad_() for t in (q, k, v))
-    out_c = mech.cuda()(qc, kc, vc, attnlab.AttnContext(key_mask=key_mask.cuda(), causal=True)).out
+    cc = attnlab.AttnContext(key_mask=key_mask.cuda(), causal=True)
+    with mock.patch.object(_flex, "flex_pattern_attention",
+                           wraps=_flex.flex_pattern_attention) as spy:
+        out_c = mech.cuda()(qc, kc, vc, cc).out
+    assert spy.called, "the FlexAttention path did not run"
     torch.testing.assert_close(out_c.cpu(), out, atol=1e-5, rtol=1e-5)  # fp32 on both sides
     g = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), g)

@@ -2,16 +2,18 @@
 
 Method (why it is done this way):
 
-* Every (method, n) measurement runs in a fresh Python subprocess. PyTorch has no CPU
+* Every (method, n) measurement runs in fresh Python subprocesses. PyTorch has no CPU
   allocator statistics, so peak memory is the process's resident-set high-water mark
   ``resource.getrusage(RUSAGE_SELF).ru_maxrss`` after the call minus the same value just
   before it (after creating the inputs and a warm-up on a tiny input that loads the
   kernels and thread pools). A fresh process makes the high-water mark belong to this
-  call alone. It counts everything the call touches (tensors, saved activations, gradients
-  of q, k, v, allocator slack), so it is an upper bound on tensor memory.
-* In the subprocess: forward peak (under ``torch.no_grad``), then forward+backward peak
-  (loss = sum of outputs; gradients of q, k, v), then timings: the median of ``repeats``
-  calls for each (the memory runs above serve as warm-up).
+  call alone; ``MALLOC_MMAP_THRESHOLD_=65536`` makes glibc return freed buffers to the
+  system at once, so the mark follows live memory rather than allocator caching. It
+  counts everything the call touches (tensors, saved activations, gradients of q, k, v).
+* Memory: the first forward (under ``torch.no_grad``), then the first forward+backward
+  (loss = sum of outputs; gradients of q, k, v). Time, in a second subprocess with the
+  default allocator: one warm-up call, then the median of ``repeats`` calls, for the
+  forward (no grad) and for forward+backward.
 * Methods at one n run back to back and ratios compare them within one benchmark run:
   this machine is shared, absolute times drift between runs.
 
@@ -45,12 +47,13 @@ def _spec(mechanism: str, window: int) -> str:
 
 def measure(
     method: str, n: int, heads: int = 12, head_dim: int = 64, batch: int = 1, repeats: int = 3,
-    threads: int | None = None,
+    threads: int | None = None, part: str = "time",
 ) -> dict[str, float]:
     """One measurement in *this* process (call it in a fresh one for a valid peak memory).
 
     ``method`` is "sdpa" (dense ``F.scaled_dot_product_attention``) or a mechanism spec.
-    Returns fwd_ms, fwdbwd_ms, peak_fwd_mb, peak_mem_mb (forward+backward).
+    ``part="memory"`` returns peak_fwd_mb and peak_mem_mb (forward+backward) from the first
+    calls; ``part="time"`` returns the medians fwd_ms and fwdbwd_ms after a warm-up call.
     """
     import resource
 
@@ -82,6 +85,8 @@ def measure(
             run(q, k, v)
 
     def fwdbwd(q, k, v):
+        for t in (q, k, v):
+            t.grad = None
         run(q, k, v).sum().backward()
 
     def maxrss_mb() -> float:
@@ -92,28 +97,23 @@ def measure(
     fwd(*small)
     fwdbwd(*small)  # warm-up: kernels, thread pools, allocator
     q, k, v = make(n)
-    base = maxrss_mb()
-    fwd(q, k, v)
-    peak_fwd = maxrss_mb() - base
-    fwdbwd(q, k, v)
-    peak_all = maxrss_mb() - base
+    if part == "memory":
+        base = maxrss_mb()
+        fwd(q, k, v)
+        peak_fwd = maxrss_mb() - base
+        fwdbwd(q, k, v)
+        return {"peak_fwd_mb": peak_fwd, "peak_mem_mb": maxrss_mb() - base}
 
     def median_ms(fn) -> float:
+        fn(q, k, v)  # warm-up at this size
         times = []
         for _ in range(repeats):
-            for t in (q, k, v):
-                t.grad = None
             start = time.perf_counter()
             fn(q, k, v)
             times.append((time.perf_counter() - start) * 1000)
         return sorted(times)[len(times) // 2]
 
-    return {
-        "fwd_ms": median_ms(fwd),
-        "fwdbwd_ms": median_ms(fwdbwd),
-        "peak_fwd_mb": peak_fwd,
-        "peak_mem_mb": peak_all,
-    }
+    return {"fwd_ms": median_ms(fwd), "fwdbwd_ms": median_ms(fwdbwd)}
 
 
 def _child() -> None:
@@ -123,9 +123,14 @@ def _child() -> None:
 
 def _measure_in_subprocess(**kwargs: Any) -> dict[str, float]:
     code = "from attnlab.bench.speed import _child; _child()"
+    env = dict(os.environ)
+    if kwargs.get("part") == "memory":
+        # glibc: serve every allocation >= 64 KiB by mmap and unmap it on free, so the
+        # resident high-water mark follows live tensor memory instead of allocator caching
+        env["MALLOC_MMAP_THRESHOLD_"] = "65536"
     res = subprocess.run(
         [sys.executable, "-c", code, json.dumps(kwargs)], capture_output=True, text=True,
-        check=False,
+        check=False, env=env,
     )
     if res.returncode != 0:
         raise RuntimeError(f"benchmark subprocess failed for {kwargs}:\n{res.stderr[-2000:]}")
@@ -160,8 +165,9 @@ def bench_sparse(
 
     def run_all(step) -> None:
         for n, method in jobs:
-            res = _measure_in_subprocess(method=method, n=n, **common)
-            rows.append({"n": n, "method": method, **res})
+            mem = _measure_in_subprocess(method=method, n=n, part="memory", **common)
+            res = _measure_in_subprocess(method=method, n=n, part="time", **common)
+            rows.append({"n": n, "method": method, **res, **mem})
             step(f"{method} n={n}")
 
     if progress:

@@ -43,9 +43,12 @@ CHUNK_ELEMS = 1 << 21
 Pattern = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def use_blocked(n: int, m: int, need_weights: bool) -> bool:
-    """Whether the blocked engine runs (else the dense masked path): the one rule."""
-    return n == m and not need_weights and n >= DENSE_FALLBACK_MAX_LEN
+def use_blocked(n: int, m: int, need_weights: bool, same_head_dims: bool = True) -> bool:
+    """Whether the blocked engine runs (else the dense masked path): the one rule.
+
+    Needs n == m (self-attention), no materialised weights, v's head dim == q's, and at
+    least DENSE_FALLBACK_MAX_LEN positions."""
+    return n == m and same_head_dims and not need_weights and n >= DENSE_FALLBACK_MAX_LEN
 
 
 def window_width(block: int, left: int, right: int) -> int:
@@ -234,8 +237,9 @@ class _BlockedAttention(torch.autograd.Function):
                 prob.mul_(_dropout_mask(prob, p, seed, ci))
             torch.bmm(prob, _keys(lay, vf, vs, extra, c), out=out[t0:t1])
             del prob
-        out = out.view(live.shape[0], -1, nqb, B, out.shape[-1]).mul_(live[:, None, :, :, None])
-        out = out.view(lay.T, B, -1)
+        ctx.all_live = bool(live.all())
+        if not ctx.all_live:  # rows with no allowed key (softmax over NEG only) -> 0
+            out.view(live.shape[0], -1, nqb, B, out.shape[-1]).mul_(live[:, None, ..., None])
         ctx.save_for_backward(qp, kf, vf, out, bias, live, extra)
         ctx.cfg = (lay, scale, p, seed)
         res = out.view(lay.S, lay.np, -1)
@@ -246,9 +250,10 @@ class _BlockedAttention(torch.autograd.Function):
         qp, kf, vf, out, bias, live, extra = ctx.saved_tensors
         lay, scale, p, seed = ctx.cfg
         B = lay.B
-        groups = live.shape[0]  # b (key mask) or 1
-        go = lay.pad_queries(grad).view(groups, lay.S // groups, lay.nqb, B, -1)
-        go = (go * live[:, None, :, :, None]).view(lay.T, B, -1)  # [T,B,dv]; dead rows: 0
+        go = lay.pad_queries(grad)  # [S,np,dv]
+        if not ctx.all_live:  # dead rows (no allowed key) get no gradient
+            go = go.view(live.shape[0], -1, lay.nqb, B, go.shape[-1]) * live[:, None, ..., None]
+        go = go.view(lay.T, B, -1)  # [T,B,dv]
         delta = (go * out).sum(-1, keepdim=True)  # [T,B,1] = rowsum(P * dP)
         ks, vs = lay.seq_view(kf), lay.seq_view(vf)
         qb = qp.view(lay.T, B, -1)
@@ -309,6 +314,8 @@ def blocked_attention(
         raise ValueError(f"blocked attention needs n == m (got {n} and {k.shape[2]})")
     if width % block:
         raise ValueError(f"window width {width} must be a multiple of the block {block}")
+    if v.shape[-1] != d:
+        raise ValueError(f"blocked attention needs v's head dim ({v.shape[-1]}) == d ({d})")
     bias, live = build_block_bias(
         n, block, left, width, pattern, extra, key_mask, causal, q.dtype, q.device
     )

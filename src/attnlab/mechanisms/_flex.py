@@ -31,8 +31,9 @@ _MASKS: OrderedDict[tuple, object] = OrderedDict()
 
 
 def available(q: torch.Tensor) -> bool:
-    """True when q is on CUDA and this torch has FlexAttention."""
-    if not q.is_cuda:
+    """True when q is on CUDA with a head dim FlexAttention supports (>= 16) and this
+    torch has FlexAttention."""
+    if not q.is_cuda or q.shape[-1] < 16:
         return False
     try:
         import torch.nn.attention.flex_attention  # noqa: F401

@@ -9,8 +9,9 @@ Paths. Band-like patterns (band, dilated, block_local, longformer, star, global_
 bigbird) run on the blocked engine (``_blocksparse``) from ``DENSE_FALLBACK_MAX_LEN`` keys
 on: it never builds n x m and trains on CPU. ``random`` and ``sparse_transformer`` use the
 dense masked path (O(n*m) time and memory). ``ctx.need_weights`` (capture) and short
-inputs always take the dense path, which is the reference itself. On CUDA without dropout
-every pattern runs on FlexAttention (``_flex``; block-sparse kernels, cached masks).
+inputs always take the dense path, which is the reference itself. On CUDA, without dropout
+and from the same length on, every pattern runs on FlexAttention (``_flex``; block-sparse
+kernels, cached masks).
 """
 
 from __future__ import annotations
@@ -59,13 +60,14 @@ def _run(mech: nn.Module, q, k, v, ctx: AttnContext, fast: FastPath | None) -> A
     n, m = q.shape[2], k.shape[2]
     scale = ctx.scale_for(q.shape[-1])
     p = ctx.dropout if mech.training else 0.0
-    if p == 0 and not ctx.need_weights and _flex.available(q):
+    sparse = bs.use_blocked(n, m, ctx.need_weights, v.shape[-1] == q.shape[-1])
+    if sparse and p == 0 and _flex.available(q):
         out = _flex.flex_pattern_attention(
             q, k, v, lambda: mech.bias(n, m, layer_idx=ctx.layer_idx)[0] == 0,
             (mech.cfg, ctx.layer_idx), key_mask=ctx.key_mask, causal=ctx.causal, scale=scale,
         )
         return AttnOutput(out)
-    if fast is not None and bs.use_blocked(n, m, ctx.need_weights):
+    if sparse and fast is not None:
         return AttnOutput(fast(q, k, v, ctx, scale, p))
     bias = mech.bias(n, m, layer_idx=ctx.layer_idx).to(q.device)  # [1,n,m]
     out, probs = reference_attention(
