@@ -230,15 +230,20 @@ def params(
 def bench_sparse(
     ns: Annotated[str, typer.Option(help="Comma-separated lengths.")] = "1024,2048,4096,8192",
     window: int = 128,
-    mechanism: str = "band",
+    mechanism: Annotated[list[str] | None, typer.Option(
+        help="Mechanism spec (repeatable); default band(window=WINDOW)."
+    )] = None,
     repeats: int = 3,
+    threads: Annotated[int | None, typer.Option(
+        help="torch threads per measurement (docs/benchmarks.md records --threads 1)."
+    )] = None,
 ) -> None:
     """Band (or another sparse pattern) vs dense SDPA: time fwd / fwd+bwd, peak memory."""
     from .bench.speed import bench_sparse as run_bench
     from .bench.speed import format_markdown
 
     rows = run_bench(ns=tuple(int(x) for x in ns.split(",")), window=window,
-                     mechanism=mechanism, repeats=repeats)
+                     mechanism=mechanism or "band", repeats=repeats, threads=threads)
     console.print(format_markdown(rows), markup=False)
 
 

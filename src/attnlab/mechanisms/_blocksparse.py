@@ -10,7 +10,9 @@ this engine never builds n x m. Queries are cut into blocks of B rows. Query blo
 
 An element mask inside each block's L + R keys (the pattern, bounds, causal, key mask) is
 computed from indices, so the result equals dense masked softmax exactly (up to float
-reordering). Memory is O(n*(L+R)) per chunk and O(n*d) in total.
+reordering). Memory: O(b*h*n*d) for padded copies and gradients, O(b*n*(L+R)) for the
+additive mask (shared by the heads; one copy when there is no padding) and a few chunk
+buffers of CHUNK_ELEMS scores.
 
 Speed notes (2-core CPU, fp32; see docs/benchmarks.md):
 * All sequences (b*h) and their padded positions are laid out in one flat [rows, d] array,
@@ -36,9 +38,11 @@ from ..core import masked_softmax
 DENSE_FALLBACK_MAX_LEN = 256
 # Query block size B of the band-like patterns (tuned for d=64 fp32 on CPU; see the benchmark).
 DEFAULT_BLOCK = 64
-# Target number of score elements per chunk (fp32: 8 MiB): few enough chunks that the
-# per-op thread hand-offs stay cheap on a busy machine, small next to the O(n*n) of dense.
-CHUNK_ELEMS = 1 << 21
+# Target number of score elements per chunk (fp32: 16 MiB). Smaller chunks stay in cache
+# (2 Mi elements were 15-30% faster single-threaded or on an idle CPU), larger ones mean fewer
+# parallel regions, and on a busy machine each region waits for a descheduled thread: 4 Mi
+# was about 2x faster than 2 Mi there. Memory grows by ~4 chunk buffers.
+CHUNK_ELEMS = 1 << 22
 
 Pattern = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
