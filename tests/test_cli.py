@@ -85,3 +85,14 @@ def test_vary_values_with_commas_use_pipes():
     vary = parse_vary(["plan=baseline|0,1:0,2:jat(rho=4.0, coef=0.5)", "optim.lr=1e-4,3e-4"])
     assert vary == [("plan", ["baseline", "0,1:0,2:jat(rho=4.0, coef=0.5)"]),
                     ("optim.lr", ["1e-4", "3e-4"])]
+
+
+def test_demo_on_the_embedded_model():
+    res = runner.invoke(app, ["demo", "-p", "0-1:all:band(window=2)", "--repeats", "1"])
+    assert res.exit_code == 0, res.output
+    assert "with plan" in res.output and "A = band(window=2)" in res.output
+
+
+def test_demo_bad_plan_is_a_clear_error():
+    res = runner.invoke(app, ["demo", "-p", "0:12:band(window=2)"])
+    assert res.exit_code == 2 and "12" in res.output
