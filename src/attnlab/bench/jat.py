@@ -30,11 +30,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
 from typing import Any
+
+from .speed import environment
 
 # Peak of the official get_attn_adj per element of its [b, h, n, n, n] tensor: measured
 # 774 MB for 100.7 M elements (n = 128, b = 8, h = 6), i.e. ~7.7 bytes (a float32 result and
@@ -220,21 +221,6 @@ def format_markdown(rows: list[dict[str, Any]]) -> str:
     return head + body
 
 
-def environment() -> dict[str, Any]:
-    """What the numbers depend on: versions, threads, cores, load."""
-    import platform
-
-    import torch
-
-    return {
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "cpus": os.cpu_count(),
-        "cpu": platform.processor() or platform.machine(),
-        "loadavg": os.getloadavg() if hasattr(os, "getloadavg") else None,
-    }
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[128, 256, 512, 1024])
@@ -248,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = ap.parse_args(argv)
-    env_before = {**environment(), "threads": args.threads or environment()["threads"]}
+    env_before = environment(args.threads)
     rows = bench_jat(
         tuple(args.lengths), args.batch, args.jat_heads, args.head_dim, args.repeats,
         rho=args.rho, scale=args.scale, naive_limit_gb=args.naive_limit_gb,
