@@ -30,12 +30,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from typing import Any
 
-from .speed import environment
+from .speed import environment, run_child
 
 # Peak of the official get_attn_adj per element of its [b, h, n, n, n] tensor: measured
 # 774 MB for 100.7 M elements (n = 128, b = 8, h = 6), i.e. ~7.7 bytes (a float32 result and
@@ -132,14 +131,7 @@ def _child() -> None:
 
 
 def _measure_in_subprocess(**kwargs: Any) -> dict[str, Any]:
-    code = "from attnlab.bench.jat import _child; _child()"
-    res = subprocess.run(
-        [sys.executable, "-c", code, json.dumps(kwargs)], capture_output=True, text=True,
-        check=False,
-    )
-    if res.returncode != 0:
-        raise RuntimeError(f"benchmark subprocess failed for {kwargs}:\n{res.stderr[-2000:]}")
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    return run_child("attnlab.bench.jat", kwargs)
 
 
 def bench_jat(

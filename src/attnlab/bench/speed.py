@@ -122,12 +122,18 @@ def _child() -> None:
 
 
 def _measure_in_subprocess(**kwargs: Any) -> dict[str, float]:
-    code = "from attnlab.bench.speed import _child; _child()"
     env = dict(os.environ)
     if kwargs.get("part") == "memory":
         # glibc: serve every allocation >= 64 KiB by mmap and unmap it on free, so the
         # resident high-water mark follows live tensor memory instead of allocator caching
         env["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    return run_child("attnlab.bench.speed", kwargs, env)
+
+
+def run_child(module: str, kwargs: dict[str, Any], env: dict[str, str] | None = None
+              ) -> dict[str, Any]:
+    """Run ``module._child()`` in a fresh Python with ``kwargs`` as JSON; its JSON reply."""
+    code = f"from {module} import _child; _child()"
     res = subprocess.run(
         [sys.executable, "-c", code, json.dumps(kwargs)], capture_output=True, text=True,
         check=False, env=env,

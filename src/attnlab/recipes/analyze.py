@@ -1,15 +1,10 @@
 """``attnlab analyze heads`` and ``attnlab report``: head analysis of a model, top to bottom.
 
-1. load the model: the embedded MiniLM (``"default"``), a finished run directory (rebuilt
-   with its plan, tuner and trained weights) or a saved model folder (``from_pretrained``);
-2. tokenize the text: a task's split (``get_task(name).load``) or a text file, one sentence
-   per line;
-3. for each batch, ``capture_attention`` records every layer's probabilities and the
-   streaming :class:`~attnlab.analysis.HeadScoreAccumulator` folds them into [layers, heads]
-   means; the chosen heads' maps are summed for an average map; the first few examples are
-   kept for the report's explorer;
-4. classify the heads and write the tables (CSV, JSON, per-layer summary in CSV and
-   Markdown) and the figures (PNG + SVG) to the output folder.
+Load the model (the embedded MiniLM ``"default"``, a run directory rebuilt with its plan,
+tuner and weights, or a saved model folder); tokenize a task split or a text file; per
+batch, ``capture_attention`` feeds the streaming ``HeadScoreAccumulator`` and the chosen
+heads' average maps; then classify the heads and write tables (CSV, JSON, Markdown) and
+figures (PNG + SVG).
 
 ``compare_analyses`` puts two models' class maps side by side (how TLM compared task-driven
 and pretrained models); ``run_report`` writes a run's one-file HTML report, reusing the
