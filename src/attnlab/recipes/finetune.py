@@ -4,7 +4,9 @@
 2. load the task's train and eval splits (seeded subset if asked);
 3. build the model with the task's head (embedded MiniLM, a path, or ``scratch:SIZE``);
 4. apply the attention plan, then the tuner;
-5. train with ``train.loop.fit`` (Accelerate), evaluating on the dev split;
+5. train with ``train.loop.fit`` (Accelerate), evaluating on the dev split; tuners whose
+   ``finalize`` changes the model (Diff-Prune's magnitude pruning) finalize the best model,
+   which is then re-evaluated: that is the run's result and what is saved;
 6. write ``summary.json`` (metrics, parameters trained, time per step, peak memory) and
    the model (``model/`` with plan.json, or only the tuned weights for adapters/peft).
 """
@@ -176,6 +178,18 @@ def run_experiment(cfg: ExperimentConfig, resume: bool = False,
                       aux_loss=aux)
     state = fit(cfg, parts, accelerator, run_dir, resume=resume, stop_after=stop_after)
     best = next((e["eval"] for e in state.evals if e["step"] == state.best_step), {})
+    interrupted = stop_after is not None and state.step >= stop_after
+    best_metric, finalized = state.best_metric, None
+    if getattr(tuner, "finalize_changes_model", False) and not interrupted:
+        # Diff-Prune: prune the (best) model to its target sparsity; what is saved and what
+        # `attnlab eval` re-measures is the pruned model, so its metric is the run's result.
+        final_model = accelerator.unwrap_model(parts.model)
+        tuner.finalize(final_model)
+        final_model.eval()
+        with torch.no_grad():
+            finalized = parts.evaluate(final_model)
+        params = count_parameters(final_model, tuner)
+        best_metric = finalized.get(main_metric, best_metric)
     summary = {
         "name": cfg.name,
         "task": task.name,
@@ -183,9 +197,11 @@ def run_experiment(cfg: ExperimentConfig, resume: bool = False,
         "plan": plan.to_json() if plan else [],
         "tuning": tcfg.spec() if hasattr(tcfg, "spec") else cfg.tuning.method,
         "main_metric": main_metric,
-        "best_metric": state.best_metric,
+        "best_metric": best_metric,
         "best_step": state.best_step,
-        "best_eval": best,
+        "best_eval": finalized if finalized is not None else best,
+        "before_finalize": ({"best_metric": state.best_metric, "best_eval": best}
+                            if finalized is not None else None),
         "final_eval": state.evals[-1]["eval"] if state.evals else {},
         "steps": state.step,
         "train_examples": len(train_feats),
@@ -194,7 +210,7 @@ def run_experiment(cfg: ExperimentConfig, resume: bool = False,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "params": params,
         "surgery": report.to_dict() if report is not None else None,
-        "interrupted": stop_after is not None and state.step >= stop_after,
+        "interrupted": interrupted,
         "num_processes": accelerator.num_processes,
     }
     if accelerator.is_main_process:

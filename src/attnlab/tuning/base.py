@@ -154,7 +154,12 @@ class Tuner(Protocol):
         ...
 
     def finalize(self, model: nn.Module) -> None:
-        """End-of-training step (diff pruning's magnitude pruning); a no-op for most."""
+        """End-of-training step (diff pruning's magnitude pruning); a no-op for most.
+
+        A tuner whose finalize changes the model sets the class attribute
+        ``finalize_changes_model = True``; the runner then finalizes the best model and
+        re-evaluates it (the run's reported metric is the finalized model's).
+        """
         ...
 
 

@@ -144,6 +144,8 @@ def diff_modules(model: nn.Module) -> dict[str, DiffParametrization]:
 class DiffPruneTuner:
     """Parametrises every backbone parameter; trains w, log_alpha and the head."""
 
+    finalize_changes_model = True  # the runner finalizes, then re-evaluates the pruned model
+
     def apply(self, model: nn.Module, cfg: DiffPruneConfig, task: TaskInfo | None = None
               ) -> nn.Module:
         record = start_tuning(model, cfg)
