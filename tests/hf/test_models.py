@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
 import attnlab
 from attnlab.models import SIZES, encoder_config, load_default_model
@@ -115,3 +116,22 @@ def test_tiny_encoder_runs_with_embedded_tokenizer(minilm):
     attnlab.apply_plan(model, "1:all:talking_heads")
     logits = model(**enc).logits
     assert logits.shape == (*enc["input_ids"].shape, 30522)
+
+
+def test_missing_backbone_weight_is_an_error_and_new_head_is_not():
+    from attnlab.models import _check_only_head_missing, encoder_config
+
+    model = transformers.BertForSequenceClassification(encoder_config("tiny"))
+    _check_only_head_missing(model, {"missing_keys": ["classifier.weight", "classifier.bias",
+                                                      "bert.pooler.dense.weight"]})
+    with pytest.raises(RuntimeError, match="bert.encoder.layer.0.attention"):
+        _check_only_head_missing(model, {"missing_keys": [
+            "bert.encoder.layer.0.attention.self.query.weight"]})
+
+
+def test_default_model_load_prints_no_load_report(capfd):
+    from attnlab.models import load_default_model
+
+    load_default_model("sequence-classification")
+    err = capfd.readouterr().err
+    assert "LOAD REPORT" not in err and "MISSING" not in err
