@@ -66,18 +66,20 @@ def test_pasta_on_planned_heads_adds_vectors_exactly():
 @pytest.mark.parametrize("name", sorted(list_tuners()))
 def test_every_tuner_trains_on_a_planned_model(name):
     tuner, cfg = resolve_tuning(name)
+    token_keyed = [r["mechanism"] for r in _plan() if attnlab.core.mechanism_class(
+        r["mechanism"].split("(")[0]).caps.keys_are_tokens]
+    if name == "prefix" and token_keyed:
+        # Prefix tuning gives every layer m = n + prefix keys; band / JAT read key j as
+        # token j, so the tuner refuses the plan up front, naming the mechanism.
+        with pytest.raises(ValueError, match=f"virtual keys.*{token_keyed[0].split('(')[0]}"):
+            tuner.apply(_planned_bert(), cfg, task=TaskInfo(kind="pair"))
+        return
     model = tuner.apply(_planned_bert(), cfg, task=TaskInfo(kind="pair")).train()
     trainable = [p for _, p in tuner.trainable_parameters(model)]
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     opt = torch.optim.AdamW(trainable, lr=1e-2)
     batch = {**bert_pair_batch(), "labels": torch.tensor([0, 1, 2])}
     aux = tuner.aux_loss(model)
-    if name == "prefix" and any(r["mechanism"] == "jat" for r in _plan()):
-        # Prefix tuning gives every layer m = n + prefix keys; JAT's jump graph needs m == n
-        # and must refuse clearly rather than compute something else.
-        with pytest.raises(ValueError, match="as many queries as keys"):
-            model(**batch)
-        return
     loss = model(**batch).loss + (aux if aux is not None else 0.0)
     loss.backward()
     opt.step()
@@ -85,3 +87,12 @@ def test_every_tuner_trains_on_a_planned_model(name):
     for n, p in model.named_parameters():
         if n in frozen:
             assert torch.equal(p, frozen[n]), n
+
+
+def test_prefix_tuning_accepts_plans_without_token_keyed_mechanisms():
+    model = make_bert()
+    surgery.apply_plan(model, [{"layers": "all", "heads": [0], "mechanism": "linear_elu"}])
+    tuner, cfg = resolve_tuning("prefix(num_virtual_tokens=3)")
+    model = tuner.apply(model, cfg, task=TaskInfo(kind="pair")).eval()
+    batch = bert_pair_batch()
+    assert torch.isfinite(model(**batch).logits).all()

@@ -78,6 +78,10 @@ class Capabilities:
     complexity: time complexity in the shape glossary, e.g. "O(n*w)".
     kv_heads: for scope "module" mechanisms that shrink K/V projections, the number of
       K/V heads the host projections are reduced to (1 for multi-query attention).
+    keys_are_tokens: key j must be token j of the query sequence (n == m): position
+      patterns, length-sized projections, jump graphs. Extra keys that are not tokens
+      (prefix tuning's virtual keys) would silently shift the pattern, so tuners that add
+      them refuse such plans.
     """
 
     family: str
@@ -89,6 +93,7 @@ class Capabilities:
     exact: bool = False
     complexity: str = "O(n*m)"
     kv_heads: int | None = None
+    keys_are_tokens: bool = False
 
 
 @dataclass

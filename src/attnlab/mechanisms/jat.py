@@ -272,6 +272,7 @@ class JumpSelfAttention(nn.Module):
         causal_ok=False,
         key_mask_ok=True,
         exact=False,
+        keys_are_tokens=True,
         complexity="O(n^2*(M*d + log n) + min(E, n^3)), E = jump links",
     )
 

@@ -62,6 +62,7 @@ class Linformer(nn.Module):
 
     caps: ClassVar[Capabilities] = Capabilities(
         family="lowrank", paper="Wang et al. 2020", causal_ok=False, needs_max_len=True,
+        keys_are_tokens=True,
         exact=False, complexity="O(n*k)",
     )
 

@@ -174,7 +174,8 @@ class Band(nn.Module):
     """
 
     caps: ClassVar[Capabilities] = Capabilities(
-        family=FAMILY, paper=SURVEY, exact=True, complexity="O(n*w)"
+        family=FAMILY, paper=SURVEY, exact=True, keys_are_tokens=True,
+        complexity="O(n*w)"
     )
 
     def __init__(self, cfg: BandConfig, dims: HeadDims) -> None:
@@ -216,7 +217,8 @@ class Dilated(nn.Module):
     """
 
     caps: ClassVar[Capabilities] = Capabilities(
-        family=FAMILY, paper=SURVEY, exact=True, complexity="O(n*w)"
+        family=FAMILY, paper=SURVEY, exact=True, keys_are_tokens=True,
+        complexity="O(n*w)"
     )
 
     def __init__(self, cfg: DilatedConfig, dims: HeadDims) -> None:
@@ -256,7 +258,8 @@ class BlockLocal(nn.Module):
     """
 
     caps: ClassVar[Capabilities] = Capabilities(
-        family=FAMILY, paper=SURVEY, exact=True, complexity="O(n*b)"
+        family=FAMILY, paper=SURVEY, exact=True, keys_are_tokens=True,
+        complexity="O(n*b)"
     )
 
     def __init__(self, cfg: BlockLocalConfig, dims: HeadDims) -> None:
@@ -302,7 +305,8 @@ class GlobalTokens(nn.Module):
     """
 
     caps: ClassVar[Capabilities] = Capabilities(
-        family=FAMILY, paper=SURVEY, exact=True, complexity="O(n*|G|)"
+        family=FAMILY, paper=SURVEY, exact=True, keys_are_tokens=True,
+        complexity="O(n*|G|)"
     )
 
     def __init__(self, cfg: GlobalTokensConfig, dims: HeadDims) -> None:
@@ -344,7 +348,8 @@ class Random(nn.Module):
     """
 
     caps: ClassVar[Capabilities] = Capabilities(
-        family=FAMILY, paper=SURVEY, exact=True, complexity="O(n*m) (dense masked)"
+        family=FAMILY, paper=SURVEY, exact=True, keys_are_tokens=True,
+        complexity="O(n*m) (dense masked)"
     )
 
     def __init__(self, cfg: RandomConfig, dims: HeadDims) -> None:
@@ -382,7 +387,8 @@ class Longformer(nn.Module):
     """
 
     caps: ClassVar[Capabilities] = Capabilities(
-        family=FAMILY, paper="Beltagy et al. 2020", exact=True, complexity="O(n*(w+|G|))"
+        family=FAMILY, paper="Beltagy et al. 2020", exact=True, keys_are_tokens=True,
+        complexity="O(n*(w+|G|))"
     )
 
     def __init__(self, cfg: LongformerConfig, dims: HeadDims) -> None:
@@ -424,7 +430,8 @@ class Star(nn.Module):
     """
 
     caps: ClassVar[Capabilities] = Capabilities(
-        family=FAMILY, paper="Guo et al. 2019", exact=True, complexity="O(n)"
+        family=FAMILY, paper="Guo et al. 2019", exact=True, keys_are_tokens=True,
+        complexity="O(n)"
     )
 
     def __init__(self, cfg: StarConfig, dims: HeadDims) -> None:
@@ -472,7 +479,8 @@ class BigBird(nn.Module):
     """
 
     caps: ClassVar[Capabilities] = Capabilities(
-        family=FAMILY, paper="Zaheer et al. 2020", exact=True, complexity="O(n*(w+g+r)*b)"
+        family=FAMILY, paper="Zaheer et al. 2020", exact=True, keys_are_tokens=True,
+        complexity="O(n*(w+g+r)*b)"
     )
 
     def __init__(self, cfg: BigBirdConfig, dims: HeadDims) -> None:
@@ -549,7 +557,8 @@ class SparseTransformer(nn.Module):
     """
 
     caps: ClassVar[Capabilities] = Capabilities(
-        family=FAMILY, paper="Child et al. 2019", exact=True, complexity="O(n*m) (dense masked)"
+        family=FAMILY, paper="Child et al. 2019", exact=True, keys_are_tokens=True,
+        complexity="O(n*m) (dense masked)"
     )
 
     def __init__(self, cfg: SparseTransformerConfig, dims: HeadDims) -> None:

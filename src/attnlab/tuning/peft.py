@@ -131,6 +131,28 @@ def _peft_load(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
         raise KeyError(f"peft did not use {unused[:5]}")
 
 
+def _refuse_token_keyed_plan(model: nn.Module, cfg: PrefixTunerConfig) -> None:
+    """Prefix tuning prepends virtual keys (m = n + prefix); mechanisms that read key j as
+    token j (band, linformer, jat, ...) would then pair query i with the wrong keys."""
+    from attnlab.core.registry import mechanism_class, parse_spec
+    from attnlab.hf.surgery import applied_report
+
+    report = applied_report(model)
+    if report is None:
+        return
+    bad = sorted({(li, parse_spec(spec)[0]) for li, row in enumerate(report.table)
+                  for spec in row
+                  if spec and mechanism_class(parse_spec(spec)[0]).caps.keys_are_tokens})
+    if bad:
+        where = ", ".join(f"{name} in layer {li}" for li, name in bad[:4])
+        raise ValueError(
+            f"prefix tuning adds {cfg.num_virtual_tokens} virtual keys in front of every "
+            f"layer's keys, but the applied plan puts mechanisms that read key j as token j "
+            f"there ({where}{', ...' if len(bad) > 4 else ''}). Use another tuner (pasta, "
+            "lora, adapter, bitfit) with this plan, or keep such mechanisms out of the plan."
+        )
+
+
 class _PeftTuner(RequiresGradTuner):
     """peft keeps its own adapter state (LoRA matrices / prefix + the head's trained copy)."""
 
@@ -167,6 +189,7 @@ class PrefixTuner(_PeftTuner):
               ) -> nn.Module:
         from peft import PrefixTuningConfig, TaskType
 
+        _refuse_token_keyed_plan(model, cfg)
         record = start_tuning(model, cfg)
         peft_cfg = PrefixTuningConfig(
             task_type=TaskType[peft_task_type(model)],
