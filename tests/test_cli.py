@@ -87,6 +87,18 @@ def test_vary_values_with_commas_use_pipes():
                     ("optim.lr", ["1e-4", "3e-4"])]
 
 
+def test_named_plan_with_arguments_is_a_grid_point():
+    from attnlab.config import ConfigError
+    from attnlab.recipes.compare import parse_vary, plan_value
+
+    (_, values), = parse_vary(["plan=jat(rho=4.5),jat_late(rho=10.0, order=2)"])
+    assert plan_value(values[0]) == ["0,1,4,5:0,2,4,6,8,10:jat(rho=4.5, coef=0.5)"]
+    assert plan_value(values[1]) == ["3,4,5:0,2,4,6,8,10:jat(rho=10.0, coef=0.5, order=2)"]
+    assert plan_value("jat_early") == ["0,1,2:0,2,4,6,8,10:jat(rho=5.0, coef=0.5)"]
+    with pytest.raises(ConfigError, match="unknown plan 'jatt"):
+        plan_value("jatt(rho=4.5)")
+
+
 def test_demo_on_the_embedded_model():
     res = runner.invoke(app, ["demo", "-p", "0-1:all:band(window=2)", "--repeats", "1"])
     assert res.exit_code == 0, res.output

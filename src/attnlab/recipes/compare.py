@@ -6,10 +6,11 @@ cartesian product of the values, each over seeds 0..2, into
 them: main metric mean ± std over seeds, parameters trained (with the % of the
 backbone), train time per step and peak memory.
 
-Values of ``plan`` are named plans (``NAMED_PLANS``; ``baseline`` = no change) or compact
-rules ``LAYERS:HEADS:SPEC`` joined by ';'. Values of other keys are YAML scalars. Values
-are separated by commas outside brackets, or by '|' when any value has a top-level comma
-(``--vary 'plan=baseline|0,1,4,5:0,2,4,6,8,10:jat(rho=4.5)'``).
+Values of ``plan`` are named plans (``NAMED_PLANS``; ``baseline`` = no change), a named plan
+with mechanism arguments changed (``jat(rho=4.5)``: every rule of ``jat`` gets rho=4.5, the
+way to run a grid), or compact rules ``LAYERS:HEADS:SPEC`` joined by ';'. Values of other
+keys are YAML scalars. Values are separated by commas outside brackets, or by '|' when any
+value has a top-level comma (``--vary 'plan=baseline|0,1,4,5:0,2,4,6,8,10:jat(rho=4.5)'``).
 """
 
 from __future__ import annotations
@@ -39,19 +40,44 @@ NAMED_PLANS: dict[str, list[str]] = {
     # BERT-JAT scaled to the 6-layer MiniLM: layers {1,2,3,8,9,10} of 12 -> {0,1,4,5} of 6,
     # JAT on the even heads (6 of 12), the paper's rho=5 and coef=0.5 (docs/results.md).
     "jat": ["0,1,4,5:0,2,4,6,8,10:jat(rho=5.0, coef=0.5)"],
+    # the paper's other placements, as halves of the 6-layer model
+    "jat_early": ["0,1,2:0,2,4,6,8,10:jat(rho=5.0, coef=0.5)"],
+    "jat_late": ["3,4,5:0,2,4,6,8,10:jat(rho=5.0, coef=0.5)"],
     # the same for encoder_config("small") (4 layers x 8 heads): middle layers, even heads
     "jat_small": ["1,2:0,2,4,6:jat(rho=5.0, coef=0.5)"],
 }
 
 
 def plan_value(value: str) -> list[str]:
-    """A named plan or ';'-joined compact rules."""
+    """A named plan, a named plan with arguments (``jat(rho=4.5)``), or ';'-joined rules."""
+    value = value.strip()
     if value in NAMED_PLANS:
         return NAMED_PLANS[value]
     if ":" in value:
         return [r for r in value.split(";") if r.strip()]
-    raise ConfigError(f"unknown plan {value!r}: use one of {', '.join(NAMED_PLANS)} or rules "
-                      "like '0-2:all:band(window=8)'")
+    name = value.split("(", 1)[0].strip()
+    if "(" in value and name in NAMED_PLANS:
+        return _with_args(name, value)
+    raise ConfigError(f"unknown plan {value!r}: use one of {', '.join(NAMED_PLANS)} (optionally "
+                      "with arguments, e.g. jat(rho=4.5)) or rules like '0-2:all:band(window=8)'")
+
+
+def _with_args(name: str, value: str) -> list[str]:
+    """Rules of the named plan ``name`` with the arguments of ``value`` merged into each spec."""
+    from ..core.registry import RegistryError, parse_spec
+
+    try:
+        _, args = parse_spec(value)
+    except RegistryError as e:
+        raise ConfigError(f"plan {value!r}: {e}") from None
+    rules = []
+    for rule in NAMED_PLANS[name]:
+        layers, heads, spec = rule.split(":", 2)
+        mech, old = parse_spec(spec)
+        merged = {**old, **args}
+        rules.append(f"{layers}:{heads}:{mech}("
+                     + ", ".join(f"{k}={v!r}" for k, v in merged.items()) + ")")
+    return rules
 
 
 def parse_vary(items: list[str]) -> list[tuple[str, list[str]]]:
