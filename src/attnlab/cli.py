@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .cli_analyze import analyze_app, report
+from .cli_data import app as data_app
 
 app = typer.Typer(
     help="attnlab: attention mechanisms in any head of any Hugging Face encoder.",
@@ -261,6 +262,7 @@ def bench_jat(
 
 
 app.add_typer(analyze_app, name="analyze")
+app.add_typer(data_app, name="data")
 app.command("report")(report)
 
 

@@ -2,7 +2,7 @@
 
 ``get_task("cola")`` ... ``list_tasks()``; see ``base`` for the protocol a training loop
 uses. Importing this package registers: the nine GLUE tasks (cola, sst2, mrpc, stsb, qqp,
-mnli, qnli, rte, wnli), conll2003, squad, squad_v2, mlm and wikitext2. transformers is
+mnli, qnli, rte, wnli), conll2003, squad, squad_v2, mlm, wikitext2 and listops. transformers is
 imported only inside ``collator`` (and ``datasets`` only for the hub fallback).
 """
 
@@ -22,6 +22,7 @@ from .base import (
 )
 from .conll import ConllTask, NerExample, iob1_to_iob2, read_conll
 from .glue import GLUE_TASKS, GlueExample, GlueTask
+from .listops import ListOpsExample, ListOpsTask
 from .mlm import MlmTask, TextExample, read_texts
 from .squad import SquadExample, SquadTask, postprocess, read_squad, split_articles
 
@@ -36,6 +37,8 @@ __all__ = [
     "GlueExample",
     "GlueTask",
     "HeadType",
+    "ListOpsExample",
+    "ListOpsTask",
     "MlmTask",
     "NerExample",
     "ProblemType",
