@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -208,6 +209,27 @@ def compare(
         _fail(str(e))
     console.print(to_markdown(rows), markup=False)
     console.print(f"saved {out}/comparison.md, comparison.csv, comparison.png")
+
+
+@app.command()
+def collect(
+    runs: Annotated[list[str], typer.Argument(help="[LABEL=]PATH: variant or compare folders.")],
+    out: Annotated[Path, typer.Option(help="Folder for comparison.{md,csv,json,png}.")],
+    show: Annotated[list[str] | None, typer.Option(
+        help="Config key to add as a column, e.g. optim.lr (repeatable).")] = None,
+) -> None:
+    """One table from runs of several `attnlab compare` calls (e.g. each tuner at its own lr)."""
+    from .config import ConfigError
+    from .recipes.collect import collect as collect_rows
+    from .recipes.collect import write_collected
+
+    try:
+        rows = collect_rows(runs, show)
+        write_collected(rows, out, show)
+    except ConfigError as e:
+        _fail(str(e))
+    console.print((out / "comparison.md").read_text(), markup=False)
+    console.print(f"saved {out}/comparison.md, comparison.csv, comparison.json, comparison.png")
 
 
 @app.command()
