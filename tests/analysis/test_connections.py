@@ -300,3 +300,13 @@ def test_clear_errors(runs, tmp_path):
     assert "not both" in _text(both)
     bad = _invoke(["analyze", "connections", base, "--limit", "0"], code=2)
     assert "--limit must be at least 1" in _text(bad)
+
+
+def test_compare_seed_folders_keep_their_variant_in_labels(tmp_path):
+    from attnlab.recipes.analyze import run_label
+    from attnlab.recipes.connections import compare_connections_out
+
+    assert run_label(tmp_path / "conll" / "jat" / "seed-0") == "jat/seed-0"
+    assert run_label(tmp_path / "my-run") == "my-run"
+    out = compare_connections_out(str(tmp_path / "b" / "seed-0"), str(tmp_path / "j" / "seed-0"))
+    assert out.name == "connections-compare-b_seed-0-vs-j_seed-0"

@@ -127,7 +127,7 @@ def load_model(spec: str) -> LoadedModel:
             "directory (runs/<name>/ with config.yaml and tuned.safetensors) or a saved model "
             "folder (config.json + weights)"
         )
-    name = path.resolve().name
+    name = run_label(path)
     if is_run_dir(path):
         from .finetune import load_run_model
 
@@ -512,9 +512,18 @@ def default_out(loaded: LoadedModel) -> Path:
     return Path("runs") / f"analysis-{safe_name(loaded.name)}"
 
 
+def run_label(path: str | Path) -> str:
+    """Short name of a model folder; ``attnlab compare``'s ``<variant>/seed-<k>`` folders keep
+    their variant (``baseline/seed-0``), so two seeds of different variants stay apart."""
+    path = Path(path).resolve()
+    if re.fullmatch(r"seed-\d+", path.name) and path.parent.name:
+        return f"{path.parent.name}/{path.name}"
+    return path.name
+
+
 def compare_out(spec_a: str, spec_b: str) -> Path:
     """``runs/analysis-compare-<a>-vs-<b>``."""
-    a, b = (s if s == "default" else Path(s).resolve().name for s in (spec_a, spec_b))
+    a, b = (s if s == "default" else run_label(s) for s in (spec_a, spec_b))
     return Path("runs") / f"analysis-compare-{safe_name(a)}-vs-{safe_name(b)}"
 
 

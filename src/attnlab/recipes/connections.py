@@ -49,6 +49,7 @@ from .analyze import (
     batches,
     is_run_dir,
     load_model,
+    run_label,
     safe_name,
 )
 from .quickstart import SHARED_DATA
@@ -281,5 +282,5 @@ def default_connections_out(loaded: LoadedModel) -> Path:
 
 def compare_connections_out(spec_a: str, spec_b: str) -> Path:
     """``runs/connections-compare-<a>-vs-<b>``."""
-    a, b = (s if s == "default" else Path(s).resolve().name for s in (spec_a, spec_b))
+    a, b = (s if s == "default" else run_label(s) for s in (spec_a, spec_b))
     return Path("runs") / f"connections-compare-{safe_name(a)}-vs-{safe_name(b)}"
