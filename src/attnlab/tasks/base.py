@@ -194,6 +194,18 @@ class KeepKeys:
         return dict(self.inner([{k: v for k, v in f.items() if k in self.keys} for f in features]))
 
 
+def padding_collator(tokenizer: Any) -> KeepKeys:
+    """Model inputs only, padded by Hugging Face's ``DataCollatorWithPadding``."""
+    from transformers import DataCollatorWithPadding
+
+    return KeepKeys(DataCollatorWithPadding(tokenizer), MODEL_INPUT_KEYS)
+
+
+def logit_rows(outputs: Mapping[str, Any]) -> list:
+    """One logits row ``[num_labels]`` per feature (sequence classification)."""
+    return list(to_numpy(outputs["logits"]))
+
+
 def to_numpy(t: Any) -> Any:
     """Detached numpy copy of a tensor; floating types become float32 (bf16 has no numpy)."""
     import torch

@@ -31,13 +31,13 @@ from .base import (
     DataFormatError,
     Feature,
     HeadType,
-    KeepKeys,
     ProblemType,
     canonical_split,
     find_dir,
+    logit_rows,
+    padding_collator,
     read_lines,
     register_task,
-    to_numpy,
 )
 from .metrics import MetricSet, glue_metrics
 
@@ -203,13 +203,11 @@ class GlueTask:
         return feats
 
     def collator(self, tokenizer: Any, seed: int = 0) -> Callable[[list[Feature]], dict]:
-        from transformers import DataCollatorWithPadding
-
-        return KeepKeys(DataCollatorWithPadding(tokenizer), MODEL_INPUT_KEYS)
+        return padding_collator(tokenizer)
 
     def batch_predictions(self, outputs: Mapping[str, Any], batch: Mapping[str, Any]) -> list:
         """One logits row ``[num_labels]`` per feature."""
-        return list(to_numpy(outputs["logits"]))
+        return logit_rows(outputs)
 
     def compute_metrics(self, predictions: Sequence[Any], features: Sequence[Feature],
                         examples: Sequence[Any] = ()) -> dict[str, float]:

@@ -55,17 +55,16 @@ import numpy as np
 
 from .base import (
     BUILTIN,
-    MODEL_INPUT_KEYS,
     DataFormatError,
     Feature,
     HeadType,
-    KeepKeys,
     ProblemType,
     canonical_split,
     find_dir,
+    logit_rows,
+    padding_collator,
     read_lines,
     register_task,
-    to_numpy,
 )
 from .metrics import accuracy
 
@@ -388,13 +387,11 @@ class ListOpsTask:
         return feats
 
     def collator(self, tokenizer: Any, seed: int = 0) -> Callable[[list[Feature]], dict]:
-        from transformers import DataCollatorWithPadding
-
-        return KeepKeys(DataCollatorWithPadding(tokenizer), MODEL_INPUT_KEYS)
+        return padding_collator(tokenizer)
 
     def batch_predictions(self, outputs: Mapping[str, Any], batch: Mapping[str, Any]) -> list:
         """One logits row ``[10]`` per feature."""
-        return list(to_numpy(outputs["logits"]))
+        return logit_rows(outputs)
 
     def compute_metrics(self, predictions: Sequence[Any], features: Sequence[Feature],
                         examples: Sequence[Any] = ()) -> dict[str, float]:

@@ -42,10 +42,10 @@ from .base import (
     DataFormatError,
     Feature,
     HeadType,
-    KeepKeys,
     ProblemType,
     canonical_split,
     find_dir,
+    padding_collator,
     register_task,
     require_fast,
     unpad,
@@ -256,9 +256,7 @@ class SquadTask:
         return feats
 
     def collator(self, tokenizer: Any, seed: int = 0) -> Callable[[list[Feature]], dict]:
-        from transformers import DataCollatorWithPadding
-
-        return KeepKeys(DataCollatorWithPadding(tokenizer), MODEL_INPUT_KEYS)
+        return padding_collator(tokenizer)
 
     def batch_predictions(self, outputs: Mapping[str, Any], batch: Mapping[str, Any]) -> list:
         """``(start_logits [n_i], end_logits [n_i])`` per feature."""
