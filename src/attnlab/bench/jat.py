@@ -34,7 +34,7 @@ import sys
 import time
 from typing import Any
 
-from .speed import environment, run_child
+from .speed import environment, print_results, run_child
 
 # Peak of the official get_attn_adj per element of its [b, h, n, n, n] tensor: measured
 # 774 MB for 100.7 M elements (n = 128, b = 8, h = 6), i.e. ~7.7 bytes (a float32 result and
@@ -232,11 +232,7 @@ def main(argv: list[str] | None = None) -> None:
         rho=args.rho, scale=args.scale, naive_limit_gb=args.naive_limit_gb,
         threads=args.threads, progress=True,
     )
-    print(format_markdown(rows))
-    print(f"environment: {env_before}; load after: {environment()['loadavg']}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"environment": env_before, "rows": rows}, f, indent=2)
+    print_results(format_markdown(rows), rows, env_before, args.json)
 
 
 if __name__ == "__main__":

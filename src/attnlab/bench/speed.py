@@ -209,6 +209,16 @@ def format_markdown(rows: list[dict[str, Any]]) -> str:
     return head + body
 
 
+def print_results(table: str, rows: list[dict[str, Any]], env_before: dict[str, Any],
+                  json_path: str | None) -> None:
+    """Print a benchmark's Markdown table and environment; save rows + environment as JSON."""
+    print(table)
+    print(f"environment: {env_before}; load after: {environment()['loadavg']}")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"environment": env_before, "rows": rows}, f, indent=2)
+
+
 def environment(threads: int | None = None) -> dict[str, Any]:
     """What the numbers depend on: versions, threads used, cores, load."""
     import platform
@@ -243,11 +253,7 @@ def main(argv: list[str] | None = None) -> None:
         tuple(args.ns), args.window, args.heads, args.head_dim, args.batch, args.repeats,
         args.mechanism, threads=args.threads,
     )
-    print(format_markdown(rows))
-    print(f"environment: {env_before}; load after: {environment()['loadavg']}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"environment": env_before, "rows": rows}, f, indent=2)
+    print_results(format_markdown(rows), rows, env_before, args.json)
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ from ..analysis import (
     write_atomic,
 )
 from ..config import ExperimentConfig
+from .naming import run_label, safe_name  # re-exported: cli_analyze and connections use them
 from .quickstart import SHARED_DATA
 
 T = TypeVar("T")
@@ -404,10 +405,6 @@ def _summary_csv(rows: Sequence[dict[str, Any]]) -> str:
     return buf.getvalue()
 
 
-def safe_name(label: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.+-]+", "_", label).strip("_")
-
-
 def _examples_json(examples: Sequence[dict[str, Any]]) -> str:
     """Explorer examples in thousandths (as the report stores them), shape kept."""
     docs = [{"tokens": e["tokens"], "shape": list(e["maps"].shape),
@@ -510,15 +507,6 @@ def default_out(loaded: LoadedModel) -> Path:
     if loaded.run_dir is not None:
         return loaded.run_dir / ANALYSIS_DIR
     return Path("runs") / f"analysis-{safe_name(loaded.name)}"
-
-
-def run_label(path: str | Path) -> str:
-    """Short name of a model folder; ``attnlab compare``'s ``<variant>/seed-<k>`` folders keep
-    their variant (``baseline/seed-0``), so two seeds of different variants stay apart."""
-    path = Path(path).resolve()
-    if re.fullmatch(r"seed-\d+", path.name) and path.parent.name:
-        return f"{path.parent.name}/{path.name}"
-    return path.name
 
 
 def compare_out(spec_a: str, spec_b: str) -> Path:

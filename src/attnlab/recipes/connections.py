@@ -49,9 +49,8 @@ from .analyze import (
     batches,
     is_run_dir,
     load_model,
-    run_label,
-    safe_name,
 )
+from .naming import run_label, safe_name
 from .quickstart import SHARED_DATA
 
 DEFAULT_TASK = "conll2003"
