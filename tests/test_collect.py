@@ -32,6 +32,12 @@ def test_collect_rows_from_variant_and_compare_folders(tmp_path):
     assert rows[2]["values"] == own["baseline"]["values"] and rows[2]["seeds"] == 2
     assert "| optim.lr |" in (out / "comparison.md").read_text()
     assert (out / "comparison.png").is_file()
+    # compare's variant folders contain '=': with or without a label, the path is kept whole
+    band = tmp_path / "b" / "0-1_all_band_window=2_"
+    res = runner.invoke(app, ["collect", str(band), f"w=2={band}", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    rows = json.loads((out / "comparison.json").read_text())
+    assert [r["variant"] for r in rows] == ["b/0-1_all_band_window=2_", "w=2"]
 
 
 def test_collect_errors_name_the_problem(tmp_path):

@@ -260,13 +260,17 @@ def bench_sparse(
     threads: Annotated[int | None, typer.Option(
         help="torch threads per measurement (docs/benchmarks.md records --threads 1)."
     )] = None,
+    device: Annotated[str, typer.Option(help="cpu or cuda (FlexAttention path).")] = "cpu",
+    dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "float32",
 ) -> None:
     """Band (or another sparse pattern) vs dense SDPA: time fwd / fwd+bwd, peak memory."""
     from .bench.speed import bench_sparse as run_bench
     from .bench.speed import format_markdown
 
+    _check_device(device)
     rows = run_bench(ns=tuple(int(x) for x in ns.split(",")), window=window,
-                     mechanism=mechanism or "band", repeats=repeats, threads=threads)
+                     mechanism=mechanism or "band", repeats=repeats, threads=threads,
+                     device=device, dtype=dtype)
     console.print(format_markdown(rows), markup=False)
 
 
@@ -274,13 +278,27 @@ def bench_sparse(
 def bench_jat(
     lengths: Annotated[str, typer.Option(help="Comma-separated lengths.")] = "128,256,512,1024",
     batch: int = 8,
+    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    naive_limit_gb: Annotated[float, typer.Option(
+        help="Skip the L^3 form where its estimated peak exceeds this.")] = 8.0,
 ) -> None:
     """One layer of 6 JAT heads: efficient vs the official L^3 form, time and peak memory."""
     from .bench.jat import bench_jat as run_bench
     from .bench.jat import format_markdown
 
-    rows = run_bench(lengths=tuple(int(x) for x in lengths.split(",")), batch=batch)
+    _check_device(device)
+    rows = run_bench(lengths=tuple(int(x) for x in lengths.split(",")), batch=batch,
+                     device=device, naive_limit_gb=naive_limit_gb)
     console.print(format_markdown(rows), markup=False)
+
+
+def _check_device(device: str) -> None:
+    import torch
+
+    if device not in ("cpu", "cuda"):
+        _fail(f"unknown device {device!r}: use cpu or cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        _fail("--device cuda: this torch sees no CUDA GPU; use --device cpu")
 
 
 app.add_typer(analyze_app, name="analyze")

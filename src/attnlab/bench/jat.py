@@ -34,7 +34,7 @@ import sys
 import time
 from typing import Any
 
-from .speed import environment, print_results, run_child
+from .speed import DevicePeak, environment, print_results, run_child
 
 # Peak of the official get_attn_adj per element of its [b, h, n, n, n] tensor: measured
 # 774 MB for 100.7 M elements (n = 128, b = 8, h = 6), i.e. ~7.7 bytes (a float32 result and
@@ -49,15 +49,16 @@ def naive_peak_gb(n: int, batch: int, heads: int) -> float:
 
 def measure(
     form: str, n: int, batch: int = 8, heads: int = 6, head_dim: int = 64, repeats: int = 3,
-    rho: float = 5.0, scale: float = 2.5, threads: int | None = None,
+    rho: float = 5.0, scale: float = 2.5, threads: int | None = None, device: str = "cpu",
 ) -> dict[str, Any]:
     """One measurement in *this* process (call it in a fresh one for a valid peak memory).
+
+    On ``device="cuda"`` peak memory is the allocator's (``DevicePeak``) and the clocks wait
+    for the GPU.
 
     form: "efficient" or "naive". Returns fwd_ms, fwdbwd_ms, peak_fwd_mb, peak_mem_mb and,
     for the efficient form, link_fraction (jump links / (b h n^3)) and count_method.
     """
-    import resource
-
     import torch
 
     import attnlab
@@ -68,13 +69,15 @@ def measure(
     adjacency = "naive" if form == "naive" else "auto"
     mech = attnlab.build_mechanism(
         f"jat(rho={rho}, adjacency={adjacency!r})", attnlab.HeadDims(heads, head_dim)
-    ).eval()
+    ).eval().to(device)
     ctx = attnlab.AttnContext()
+    peak = DevicePeak(device)
 
     def make(length: int):
         g = torch.Generator().manual_seed(0)
         shape = (batch, heads, length, head_dim)
-        return [(torch.randn(shape, generator=g) * scale).requires_grad_() for _ in range(3)]
+        return [(torch.randn(shape, generator=g) * scale).to(device).requires_grad_()
+                for _ in range(3)]
 
     def fwd(q, k, v):
         with torch.no_grad():
@@ -83,27 +86,26 @@ def measure(
     def fwdbwd(q, k, v):
         mech(q, k, v, ctx).out.sum().backward()
 
-    def maxrss_mb() -> float:
-        unit = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit / 2**20
-
     small = make(16)
     fwd(*small)
     fwdbwd(*small)  # warm-up: kernels, thread pools, allocator
     q, k, v = make(n)
-    base = maxrss_mb()
+    peak.start()
     fwd(q, k, v)
-    peak_fwd = maxrss_mb() - base
+    peak_fwd = peak.mb()
+    peak.start()
     fwdbwd(q, k, v)
-    peak_all = maxrss_mb() - base
+    peak_all = peak.mb()
 
     def median_ms(fn) -> float:
         times = []
         for _ in range(repeats):
             for t in (q, k, v):
                 t.grad = None
+            peak.sync()
             start = time.perf_counter()
             fn(q, k, v)
+            peak.sync()
             times.append((time.perf_counter() - start) * 1000)
         return sorted(times)[len(times) // 2]
 
@@ -146,6 +148,7 @@ def bench_jat(
     naive_limit_gb: float = 8.0,
     threads: int | None = None,
     progress: bool = False,
+    device: str = "cpu",
 ) -> list[dict[str, Any]]:
     """Time and peak memory of the efficient JAT layer vs the official n^3 form.
 
@@ -155,7 +158,7 @@ def bench_jat(
     when the naive form was skipped).
     """
     common = dict(batch=batch, heads=jat_heads, head_dim=head_dim, repeats=repeats, rho=rho,
-                  scale=scale, threads=threads)
+                  scale=scale, threads=threads, device=device)
     rows: list[dict[str, Any]] = []
     for n in lengths:
         for form in ("naive", "efficient"):
@@ -224,13 +227,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--scale", type=float, default=2.5, help="std of the random q, k, v")
     ap.add_argument("--naive-limit-gb", type=float, default=8.0)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = ap.parse_args(argv)
     env_before = environment(args.threads)
     rows = bench_jat(
         tuple(args.lengths), args.batch, args.jat_heads, args.head_dim, args.repeats,
         rho=args.rho, scale=args.scale, naive_limit_gb=args.naive_limit_gb,
-        threads=args.threads, progress=True,
+        threads=args.threads, progress=True, device=args.device,
     )
     print_results(format_markdown(rows), rows, env_before, args.json)
 

@@ -47,16 +47,17 @@ def _spec(mechanism: str, window: int) -> str:
 
 def measure(
     method: str, n: int, heads: int = 12, head_dim: int = 64, batch: int = 1, repeats: int = 3,
-    threads: int | None = None, part: str = "time",
+    threads: int | None = None, part: str = "time", device: str = "cpu",
+    dtype: str = "float32",
 ) -> dict[str, float]:
     """One measurement in *this* process (call it in a fresh one for a valid peak memory).
 
     ``method`` is "sdpa" (dense ``F.scaled_dot_product_attention``) or a mechanism spec.
     ``part="memory"`` returns peak_fwd_mb and peak_mem_mb (forward+backward) from the first
-    calls; ``part="time"`` returns the medians fwd_ms and fwdbwd_ms after a warm-up call.
+    calls; ``part="time"`` returns the medians fwd_ms and fwdbwd_ms after a warm-up call;
+    ``part="both"`` (CUDA only: the allocator's peak statistics need no fresh process)
+    returns all four.
     """
-    import resource
-
     import torch
     import torch.nn.functional as F
 
@@ -64,17 +65,20 @@ def measure(
 
     if threads:
         torch.set_num_threads(threads)
+    peak = DevicePeak(device)
 
     def make(length: int):
         g = torch.Generator().manual_seed(0)
         shape = (batch, heads, length, head_dim)
-        return [torch.randn(shape, generator=g).requires_grad_() for _ in range(3)]
+        return [torch.randn(shape, generator=g).to(device, getattr(torch, dtype))
+                .requires_grad_() for _ in range(3)]
 
     if method == SDPA:
         def run(q, k, v):
             return F.scaled_dot_product_attention(q, k, v)
     else:
         mech = attnlab.build_mechanism(method, attnlab.HeadDims(heads, head_dim)).eval()
+        mech = mech.to(device)
         ctx = attnlab.AttnContext()
 
         def run(q, k, v):
@@ -89,31 +93,78 @@ def measure(
             t.grad = None
         run(q, k, v).sum().backward()
 
-    def maxrss_mb() -> float:
-        unit = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit / 2**20
-
     small = make(64)
     fwd(*small)
     fwdbwd(*small)  # warm-up: kernels, thread pools, allocator
     q, k, v = make(n)
-    if part == "memory":
-        base = maxrss_mb()
+    out: dict[str, float] = {}
+    if part in ("memory", "both"):
+        peak.start()
         fwd(q, k, v)
-        peak_fwd = maxrss_mb() - base
+        out["peak_fwd_mb"] = peak.mb()
+        peak.start()
         fwdbwd(q, k, v)
-        return {"peak_fwd_mb": peak_fwd, "peak_mem_mb": maxrss_mb() - base}
+        out["peak_mem_mb"] = peak.mb()
+        if part == "memory":
+            return out
 
     def median_ms(fn) -> float:
         fn(q, k, v)  # warm-up at this size
         times = []
         for _ in range(repeats):
+            peak.sync()
             start = time.perf_counter()
             fn(q, k, v)
+            peak.sync()
             times.append((time.perf_counter() - start) * 1000)
         return sorted(times)[len(times) // 2]
 
-    return {"fwd_ms": median_ms(fwd), "fwdbwd_ms": median_ms(fwdbwd)}
+    return {"fwd_ms": median_ms(fwd), "fwdbwd_ms": median_ms(fwdbwd), **out}
+
+
+class DevicePeak:
+    """Peak memory of the calls after ``start()``, in MiB, above what was live at start.
+
+    CPU: the process's resident-set high-water mark (``ru_maxrss``), so the call must run
+    in a fresh process and the mark is cumulative (the base is taken at the first
+    ``start``; later calls keep it, so a forward+backward peak includes the forward). CUDA:
+    ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats`` (tensor memory,
+    no fresh process needed). ``sync()`` waits for queued GPU work before reading a clock.
+    """
+
+    def __init__(self, device: str):
+        self.cuda = device.startswith("cuda")
+        self.base: float | None = None
+
+    def sync(self) -> None:
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize()
+
+    def _now(self) -> float:
+        if self.cuda:
+            import torch
+
+            return torch.cuda.max_memory_allocated() / 2**20
+        import resource
+
+        unit = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit / 2**20
+
+    def start(self) -> None:
+        self.sync()
+        if self.cuda:
+            import torch
+
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated() / 2**20
+        elif self.base is None:
+            self.base = self._now()
+
+    def mb(self) -> float:
+        self.sync()
+        return self._now() - (self.base or 0.0)
 
 
 def _child() -> None:
@@ -154,8 +205,11 @@ def bench_sparse(
     *,
     threads: int | None = None,
     progress: bool = True,
+    device: str = "cpu",
+    dtype: str = "float32",
 ) -> list[dict[str, Any]]:
-    """Time and peak memory of ``mechanism`` vs dense SDPA, fp32 on CPU.
+    """Time and peak memory of ``mechanism`` vs dense SDPA (fp32 on CPU by default; on
+    ``device="cuda"`` the sparse patterns run through FlexAttention).
 
     ``mechanism`` is a registry name (``band`` gets ``window``), a full spec string, or a
     list of them (each is compared with the same SDPA measurement).
@@ -167,13 +221,18 @@ def bench_sparse(
     specs = [_spec(name, window) for name in names]
     jobs = [(n, method) for n in ns for method in (SDPA, *specs)]
     rows: list[dict[str, Any]] = []
-    common = dict(heads=heads, head_dim=head_dim, batch=batch, repeats=repeats, threads=threads)
+    common = dict(heads=heads, head_dim=head_dim, batch=batch, repeats=repeats, threads=threads,
+                  device=device, dtype=dtype)
 
     def run_all(step) -> None:
         for n, method in jobs:
-            mem = _measure_in_subprocess(method=method, n=n, part="memory", **common)
-            res = _measure_in_subprocess(method=method, n=n, part="time", **common)
-            rows.append({"n": n, "method": method, **res, **mem})
+            if device.startswith("cuda"):  # allocator statistics: one process is enough
+                res = _measure_in_subprocess(method=method, n=n, part="both", **common)
+                rows.append({"n": n, "method": method, **res})
+            else:
+                mem = _measure_in_subprocess(method=method, n=n, part="memory", **common)
+                res = _measure_in_subprocess(method=method, n=n, part="time", **common)
+                rows.append({"n": n, "method": method, **res, **mem})
             step(f"{method} n={n}")
 
     if progress:
@@ -225,9 +284,11 @@ def environment(threads: int | None = None) -> dict[str, Any]:
 
     import torch
 
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     return {
         "date": time.strftime("%Y-%m-%d %H:%M %Z"),
         "torch": torch.__version__,
+        "gpu": gpu,
         "threads": threads or torch.get_num_threads(),
         "cpus": os.cpu_count(),
         "cpu": platform.processor() or platform.machine(),
@@ -246,12 +307,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--mechanism", nargs="+", default=["band"],
                     help="names or specs, e.g. band 'dilated(window=64, dilation=2)'")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--dtype", default="float32", help="float32 or bfloat16")
     ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = ap.parse_args(argv)
     env_before = environment(args.threads)
     rows = bench_sparse(
         tuple(args.ns), args.window, args.heads, args.head_dim, args.batch, args.repeats,
-        args.mechanism, threads=args.threads,
+        args.mechanism, threads=args.threads, device=args.device, dtype=args.dtype,
     )
     print_results(format_markdown(rows), rows, env_before, args.json)
 

@@ -53,13 +53,25 @@ def _row(label: str, folder: Path, show: list[str]) -> dict[str, Any]:
     return row
 
 
+def _split_item(item: str) -> tuple[str, Path]:
+    """``[LABEL=]PATH`` -> (label, path). compare's variant folders contain '=' themselves
+    (``method=pasta_lr=1e-3``), so a whole existing path wins, then the first split whose
+    right side exists, then the first '='."""
+    if Path(item).is_dir() or "=" not in item:
+        return "", Path(item)
+    cuts = [i for i, ch in enumerate(item) if ch == "="]
+    for i in cuts:
+        if Path(item[i + 1:]).is_dir():
+            return item[:i], Path(item[i + 1:])
+    return item[:cuts[0]], Path(item[cuts[0] + 1:])
+
+
 def collect(items: list[str], show: list[str] | None = None) -> list[dict[str, Any]]:
     """Rows for ``[LABEL=]PATH`` items, in the order given."""
     show = show or []
     rows = []
     for item in items:
-        label, _, path_text = item.rpartition("=") if "=" in item else ("", "", item)
-        path = Path(path_text)
+        label, path = _split_item(item)
         if not path.is_dir():
             raise ConfigError(f"{path}: no such folder (give a compare output or variant folder)")
         if _seeds(path):

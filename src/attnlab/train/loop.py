@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
@@ -136,8 +137,11 @@ def fit(cfg: ExperimentConfig, parts: LoopParts, accelerator, run_dir: Path,
     elif accelerator.is_main_process and log.path.exists():
         log.path.unlink()
 
+    # a terminal gets a live bar; a log file (nohup, CI) one line per 60 s, not one per step
+    tty = sys.stderr.isatty()
     bar = tqdm(total=total, initial=state.step, desc=cfg.name, unit="step",
-               disable=not accelerator.is_local_main_process, dynamic_ncols=True)
+               disable=not accelerator.is_local_main_process, dynamic_ncols=tty,
+               mininterval=0.1 if tty else 60.0)
     model.train()
     running, t_start, stop = 0.0, time.perf_counter(), False
     while state.step < total and not stop:

@@ -1,0 +1,100 @@
+"""GPU paths against the CPU path (skipped without CUDA; CI has none, the device machine does).
+
+Every registered mechanism runs on CUDA and must match its own CPU result:
+* fp32 forward and gradients of q, k, v: atol = rtol = 1e-4 (TF32 off; GPU kernels sum in
+  another order than CPU ones, so bit equality is not expected);
+* bf16 on CUDA against fp32 on CPU: atol = rtol = 5e-2 on the output (bf16 keeps 8
+  mantissa bits, eps 7.8e-3; an attention output is a convex mix of values ~ N(0, 1)).
+  Mechanisms with a hard threshold on scores (JAT's jump links) may flip a link in bf16, so
+  for them the check is that the result is finite and close on average (mean |diff| < 5e-2).
+* A tiny BERT with the BERT-JAT plan: logits and all parameter gradients, CUDA vs CPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_contract import NAMES, build, ctx, qkv  # tests/mechanisms is on sys.path
+
+import attnlab
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+THRESHOLDED = {"jat"}  # hard thresholds on scores: bf16 may flip individual links
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32():
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+def _run(mech, q, k, v, key_mask):
+    res = mech(q, k, v, ctx(key_mask=key_mask))
+    return res.out
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_cuda_fp32_matches_cpu(name):
+    mech = build(name)
+    q, k, v = (t.requires_grad_() for t in qkv(29))
+    key_mask = torch.arange(29)[None, :] < torch.tensor([29, 17, 5])[:, None]
+    out = _run(mech, q, k, v, key_mask)
+    qc, kc, vc = (t.detach().cuda().requires_grad_() for t in (q, k, v))
+    out_c = _run(mech.cuda(), qc, kc, vc, key_mask.cuda())
+    torch.testing.assert_close(out_c.cpu(), out, atol=1e-4, rtol=1e-4)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), g, allow_unused=True)
+    grads_c = torch.autograd.grad(out_c, (qc, kc, vc), g.cuda(), allow_unused=True)
+    for a, r in zip(grads_c, grads, strict=True):
+        assert (a is None) == (r is None)
+        if r is not None:
+            torch.testing.assert_close(a.cpu(), r, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_cuda_bf16_close_to_fp32(name):
+    mech = build(name)
+    q, k, v = qkv(29)
+    key_mask = torch.arange(29)[None, :] < torch.tensor([29, 17, 5])[:, None]
+    ref = _run(mech, q, k, v, key_mask)
+    mech_b = mech.cuda().to(torch.bfloat16)
+    qb, kb, vb = (t.cuda().to(torch.bfloat16) for t in (q, k, v))
+    out = _run(mech_b, qb, kb, vb, key_mask.cuda()).float().cpu()
+    assert torch.isfinite(out).all()
+    if name in THRESHOLDED:
+        assert (out - ref).abs().mean() < 5e-2
+    else:
+        torch.testing.assert_close(out, ref, atol=5e-2, rtol=5e-2)
+
+
+def test_bert_jat_plan_cuda_matches_cpu():
+    from transformers import BertConfig, BertForSequenceClassification
+
+    cfg = BertConfig(vocab_size=100, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                     intermediate_size=128, max_position_embeddings=64,
+                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(cfg).eval()
+    plan = [{"layers": [0, 1, 3], "heads": [0, 2], "mechanism": "jat(rho=0.05, coef=0.5)"}]
+    attnlab.apply_plan(model, plan)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(5, 100, (3, 23), generator=g)
+    mask = (torch.arange(23)[None, :] < torch.tensor([23, 15, 7])[:, None]).long()
+
+    def step(m, device):
+        m.zero_grad()
+        out = m(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
+        out.square().sum().backward()
+        return out.detach().cpu(), {n: p.grad.detach().cpu() for n, p in m.named_parameters()
+                                    if p.grad is not None}
+
+    logits, grads = step(model, "cpu")
+    logits_c, grads_c = step(model.cuda(), "cuda")
+    torch.testing.assert_close(logits_c, logits, atol=1e-4, rtol=1e-4)
+    assert grads_c.keys() == grads.keys()
+    for n in grads:
+        torch.testing.assert_close(grads_c[n], grads[n], atol=1e-4, rtol=1e-3, msg=n)
