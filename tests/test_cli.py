@@ -108,3 +108,33 @@ def test_demo_on_the_embedded_model():
 def test_demo_bad_plan_is_a_clear_error():
     res = runner.invoke(app, ["demo", "-p", "0:12:band(window=2)"])
     assert res.exit_code == 2 and "12" in res.output
+
+
+def test_compare_parallel_matches_sequential(tmp_path):
+    """--parallel N runs each (variant, seed) as its own `attnlab run` process: same table."""
+    args = ["task.data_dir=builtin", "model.name=scratch:tiny", "model.max_length=16",
+            "train.max_steps=2", "train.batch_size=4", "task.train_limit=16",
+            "task.eval_limit=8", "--vary", "plan=baseline,0-1:all:band(window=2)",
+            "--seeds", "2"]
+    for name, extra in (("seq", []), ("par", ["--parallel", "2"])):
+        res = runner.invoke(app, ["compare", f"name={name}", f"output_dir={tmp_path}",
+                                  *args, *extra])
+        assert res.exit_code == 0, res.output
+    seq = json.loads((tmp_path / "seq" / "comparison.json").read_text())
+    par = json.loads((tmp_path / "par" / "comparison.json").read_text())
+    assert [r["variant"] for r in par] == [r["variant"] for r in seq]
+    for a, b in zip(par, seq, strict=True):
+        assert a["values"] == pytest.approx(b["values"], abs=1e-6)
+    assert (tmp_path / "par" / "baseline" / "seed-1.log").is_file()
+    assert not list((tmp_path / "par").rglob(".seed-*.yaml"))  # temporary configs removed
+
+
+def test_compare_parallel_names_the_failed_logs(tmp_path):
+    res = runner.invoke(app, [
+        "compare", "name=bad", f"output_dir={tmp_path}", f"task.data_dir={tmp_path / 'none'}",
+        "model.name=scratch:tiny", "train.max_steps=1", "--seeds", "2", "--parallel", "2"])
+    assert res.exit_code != 0
+    text = "".join(res.output.split())  # rich wraps long paths mid-word
+    assert "2of2runsfailed" in text and "bad/base/seed-0.log" in text
+    res = runner.invoke(app, ["compare", "--parallel", "0"])
+    assert res.exit_code != 0 and "--parallel 0" in " ".join(res.output.split())

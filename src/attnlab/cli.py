@@ -195,6 +195,9 @@ def compare(
     )] = None,
     seeds: Annotated[int, typer.Option(help="Seeds per variant (0..N-1).")] = 3,
     resume: Annotated[bool, typer.Option(help="Skip variants x seeds already finished.")] = False,
+    parallel: Annotated[int, typer.Option(
+        help="Runs at a time, each in its own process (GPUs shared out; logs beside runs)."
+    )] = 1,
 ) -> None:
     """Run variants over seeds; print and save a table (Markdown, CSV) and a bar plot."""
     from .config import ConfigError
@@ -203,8 +206,10 @@ def compare(
 
     cfg = _load(config, overrides)
     try:
+        if parallel < 1:
+            raise ConfigError(f"--parallel {parallel}: give 1 or more runs at a time")
         rows, out = run_compare(cfg, parse_vary(vary or []), seeds, run_experiment,
-                                resume=resume)
+                                resume=resume, parallel=parallel)
     except ConfigError as e:
         _fail(str(e))
     console.print(to_markdown(rows), markup=False)

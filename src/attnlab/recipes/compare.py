@@ -18,6 +18,7 @@ from __future__ import annotations
 import csv
 import io
 import itertools
+import json
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -146,6 +147,52 @@ def mean_std(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(vals), (statistics.stdev(vals) if len(vals) > 1 else 0.0)
 
 
+def _finished(cfg: ExperimentConfig) -> bool:
+    done = cfg.run_dir / "summary.json"
+    return done.exists() and not json.loads(done.read_text()).get("interrupted")
+
+
+def run_parallel(cfgs: list[ExperimentConfig], workers: int) -> None:
+    """Run each config as ``python -m attnlab.cli run`` in its own process, ``workers`` at a
+    time; log to ``<run_dir>.log``. On a machine with several GPUs the runs are spread over
+    them (CUDA_VISIBLE_DEVICES); CPU threads are shared out (OMP_NUM_THREADS, unless set).
+    Raises ConfigError naming the logs of the runs that failed.
+    """
+    import os
+    import subprocess
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    from ..config import resolved_yaml
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    threads = str(max(1, (os.cpu_count() or 1) // workers))
+
+    def one(item: tuple[int, ExperimentConfig]) -> tuple[Path, int]:
+        i, cfg = item
+        cfg.run_dir.parent.mkdir(parents=True, exist_ok=True)
+        cfg_file = cfg.run_dir.parent / f".{cfg.name}.yaml"
+        cfg_file.write_text(resolved_yaml(cfg))
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", threads)
+        if gpus > 1:
+            env["CUDA_VISIBLE_DEVICES"] = str(i % gpus)
+        log = cfg.run_dir.parent / f"{cfg.name}.log"
+        with open(log, "w") as f:
+            rc = subprocess.call([sys.executable, "-m", "attnlab.cli", "run", str(cfg_file)],
+                                 stdout=f, stderr=subprocess.STDOUT, env=env)
+        cfg_file.unlink(missing_ok=True)
+        return log, rc
+
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        results = list(pool.map(one, enumerate(cfgs)))
+    failed = [str(log) for log, rc in results if rc != 0]
+    if failed:
+        raise ConfigError(f"{len(failed)} of {len(cfgs)} runs failed; see {', '.join(failed)}")
+
+
 def summarise(label: str, summaries: list[dict[str, Any]]) -> dict[str, Any]:
     metric = summaries[0]["main_metric"]
     m, s = mean_std([x["best_metric"] for x in summaries])
@@ -206,24 +253,28 @@ def bar_plot(rows: list[dict[str, Any]]):
 
 
 def run_compare(base: ExperimentConfig, vary: list[tuple[str, list[str]]], seeds: int,
-                run: Callable[[ExperimentConfig], dict[str, Any]], resume: bool = False
-                ) -> tuple[list[dict[str, Any]], Path]:
-    """Run every variant x seed (skipping finished runs when ``resume``); write the table."""
+                run: Callable[[ExperimentConfig], dict[str, Any]], resume: bool = False,
+                parallel: int = 1) -> tuple[list[dict[str, Any]], Path]:
+    """Run every variant x seed (skipping finished runs when ``resume``); write the table.
+
+    ``parallel > 1`` runs that many ``attnlab run`` subprocesses at a time instead of calling
+    ``run`` (see ``run_parallel``); the runs and the table are the same.
+    """
     from ..train.checkpoint import write_json_atomic
 
+    variants = expand(base, vary, seeds)
+    todo = [cfg for _, cfgs in variants for cfg in cfgs if not (resume and _finished(cfg))]
+    if parallel > 1 and todo:
+        run_parallel(todo, parallel)
+    pending = {id(cfg) for cfg in todo} if parallel <= 1 else set()
     rows = []
-    for label, cfgs in expand(base, vary, seeds):
+    for label, cfgs in variants:
         summaries = []
         for cfg in cfgs:
-            done = cfg.run_dir / "summary.json"
-            if resume and done.exists():
-                import json
-
-                s = json.loads(done.read_text())
-                if not s.get("interrupted"):
-                    summaries.append(s)
-                    continue
-            summaries.append(run(cfg))
+            if id(cfg) in pending:
+                summaries.append(run(cfg))
+            else:
+                summaries.append(json.loads((cfg.run_dir / "summary.json").read_text()))
         rows.append(summarise(label, summaries))
     out = Path(base.output_dir) / base.name
     out.mkdir(parents=True, exist_ok=True)

@@ -174,7 +174,7 @@ def fit(cfg: ExperimentConfig, parts: LoopParts, accelerator, run_dir: Path,
             if state.step % tc.log_every == 0 or state.step == total:
                 log.write({"step": state.step, "epoch": state.epoch, "loss": running,
                            "lr": scheduler.get_last_lr()[0]})
-                bar.set_postfix(loss=f"{running:.4f}")
+                bar.set_postfix(loss=f"{running:.4f}", refresh=False)  # shown at the next refresh
             running = 0.0
             if state.step % eval_every == 0 or state.step == total:
                 state.train_seconds += time.perf_counter() - t_start
