@@ -235,7 +235,8 @@ def to_csv(rows: list[dict[str, Any]]) -> str:
 
 
 def bar_plot(rows: list[dict[str, Any]]):
-    """Mean ± std of the main metric per variant (a matplotlib figure)."""
+    """Mean ± std of the main metric per variant, with each seed's value as a dot and the
+    seed count under the label (a single seed gets no error bar): a matplotlib figure."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -243,11 +244,16 @@ def bar_plot(rows: list[dict[str, Any]]):
 
     fig, ax = plt.subplots(figsize=(max(4, 1.2 * len(rows) + 2), 3.5))
     xs = range(len(rows))
-    ax.bar(xs, [r["mean"] for r in rows], yerr=[r["std"] for r in rows], capsize=4,
-           color="#4C72B0")
-    ax.set_xticks(list(xs), [r["variant"] for r in rows], rotation=20, ha="right")
+    ax.bar(xs, [r["mean"] for r in rows], color="#4C72B0", alpha=0.85)
+    for x, r in zip(xs, rows, strict=True):
+        if r["seeds"] > 1:
+            ax.errorbar([x], [r["mean"]], yerr=[r["std"]], color="black", capsize=4)
+        vals = r.get("values") or []
+        ax.plot([x] * len(vals), vals, "o", color="black", markersize=3, zorder=3)
+    ax.set_xticks(list(xs), [f"{r['variant']}\n(n={r['seeds']})" for r in rows], rotation=20,
+                  ha="right")
     ax.set_ylabel(rows[0]["metric"])
-    ax.set_title("mean ± std over seeds")
+    ax.set_title("mean ± std over seeds (dots: single seeds)")
     fig.tight_layout()
     return fig
 
