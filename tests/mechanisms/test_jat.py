@@ -166,14 +166,17 @@ def test_counts_exact_at_last_ulp(method, sign):
 
 @pytest.mark.parametrize("numpy_on_cpu", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
-def test_counts_exact_across_dtypes_backends_and_chunks(monkeypatch, numpy_on_cpu, dtype):
-    """The torch path (other devices, bf16), numpy's, and tiny chunks: same integers."""
+@pytest.mark.parametrize("cmp_chunk", [700, 6000])
+def test_counts_exact_across_dtypes_backends_and_chunks(monkeypatch, numpy_on_cpu, dtype,
+                                                        cmp_chunk):
+    """The torch path (other devices, bf16), numpy's, and tiny chunks: same integers.
+    cmp_chunk 700 < 14^3: row blocks of one head; 6000: blocks of 2 whole heads."""
     from attnlab.mechanisms import _jat_adjacency as adj
 
     monkeypatch.setattr(adj, "_NUMPY_ON_CPU", numpy_on_cpu)
     monkeypatch.setattr(adj, "_GROUP", 300)  # a few heads per group
     monkeypatch.setattr(adj, "_ENUM_CHUNK", 50)  # many listing chunks
-    monkeypatch.setattr(adj, "_CMP_CHUNK", 700)  # a few rows per comparison block
+    monkeypatch.setattr(adj, "_CMP_CHUNK", cmp_chunk)
     q, k, _ = qkv(2, 3, 14, 4, seed=21, scale=1.5)
     s, lk = (q @ k.transpose(-1, -2)).to(dtype), key_length(k).to(dtype)
     valid = lengths_mask([14, 9], 14)[:, None, :]

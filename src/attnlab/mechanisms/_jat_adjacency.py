@@ -52,8 +52,11 @@ CountMethod = Literal["auto", "enumerate", "compare"]
 _ENUM_FRACTION = 0.05
 # Entries per enumeration chunk (int64 arrays of this length are the peak memory).
 _ENUM_CHUNK = 1 << 22
-# Elements per comparison chunk ([rows, n, n] bool).
+# Elements per comparison chunk ([rows, n, n] bool, or [heads, n, n, n] for short inputs).
 _CMP_CHUNK = 1 << 19
+# The same off the CPU: GPUs want few large kernels, not cache-sized blocks (not tuned: the
+# GPU time of session 3 ended before this was measured; 64 Mi one-byte hits, ~0.2 GB temp).
+_CMP_CHUNK_GPU = 1 << 26
 # Score entries (g x n x n) handled per group of heads; bounds the working memory.
 _GROUP = 1 << 22
 # Use numpy for sorting and listing on CPU (faster; same integers). Tests switch it off to
@@ -350,6 +353,8 @@ def _count_compare(p, prefix, perm, empty) -> torch.Tensor:
 
     Chunks are kept small (about _CMP_CHUNK elements) so each comparison block stays in
     cache; measured ~0.6 ns per comparison on one core (vs ~9 ns with 8M-element blocks).
+    When a whole head fits a chunk (short inputs) several heads go in one block, so a batch
+    of short sentences is a handful of operations rather than a loop over b x h heads.
     """
     g, n, _ = p.shape
     rdt = torch.int16 if n < 2**15 else torch.int32
@@ -365,7 +370,15 @@ def _count_compare(p, prefix, perm, empty) -> torch.Tensor:
     flip = flip.transpose(1, 2).contiguous()[..., None]  # [g, i, k, 1]
     thr = thr.to(rdt).transpose(1, 2).contiguous()[..., None]  # [g, i, k, 1]
     counts = torch.empty(g, n, n, dtype=torch.int32, device=dev)
-    rows = max(1, _CMP_CHUNK // (n * n))
+    chunk = _CMP_CHUNK if dev.type == "cpu" else _CMP_CHUNK_GPU
+    if n**3 <= chunk:  # short sequences: whole heads per block, few (GPU: few kernels) blocks
+        heads = chunk // n**3
+        for g0 in range(0, g, heads):
+            sl = slice(g0, g0 + heads)
+            hit = (ranks[sl, None] ^ flip[sl]) >= thr[sl]  # [gc, i, k, j]
+            counts[sl] = hit.sum(2, dtype=torch.int32)
+        return counts
+    rows = max(1, chunk // (n * n))
     for gi in range(g):
         r = ranks[gi][None]  # [1, k, j]
         for i0 in range(0, n, rows):
