@@ -138,3 +138,23 @@ def test_compare_parallel_names_the_failed_logs(tmp_path):
     assert "2of2runsfailed" in text and "bad/base/seed-0.log" in text
     res = runner.invoke(app, ["compare", "--parallel", "0"])
     assert res.exit_code != 0 and "--parallel 0" in " ".join(res.output.split())
+
+
+def test_compare_best_seeds_runs_more_seeds_of_the_best_variant(tmp_path):
+    """--seeds 1 --best-seeds 2: a grid on seed 0, then seed 1 of the best variant only."""
+    res = runner.invoke(app, [
+        "compare", "name=grid", f"output_dir={tmp_path}", "task.data_dir=builtin",
+        "model.name=scratch:tiny", "model.max_length=16", "train.max_steps=3",
+        "train.batch_size=4", "task.train_limit=16", "task.eval_limit=16",
+        "--vary", "optim.lr=1e-4,3e-2", "--seeds", "1", "--best-seeds", "2"])
+    assert res.exit_code == 0, res.output
+    rows = json.loads((tmp_path / "grid" / "comparison.json").read_text())
+    seed0 = {r["variant"]: r["values"][0] for r in rows}
+    best = max(seed0, key=seed0.get)  # MCC: greater is better
+    for r in rows:
+        assert r["selected"] == (r["variant"] == best)
+        assert r["seeds"] == (2 if r["selected"] else 1)
+    assert (tmp_path / "grid" / best / "seed-1" / "summary.json").is_file()
+    assert "(selected)" in (tmp_path / "grid" / "comparison.md").read_text()
+    res = runner.invoke(app, ["compare", "--seeds", "3", "--best-seeds", "2"])
+    assert res.exit_code != 0 and "--best-seeds 2 must be more" in " ".join(res.output.split())

@@ -198,6 +198,10 @@ def compare(
     parallel: Annotated[int, typer.Option(
         help="Runs at a time, each in its own process (GPUs shared out; logs beside runs)."
     )] = 1,
+    best_seeds: Annotated[int | None, typer.Option(
+        help="A search: after the grid, run the best variant (mean dev metric) up to this "
+             "many seeds, e.g. --seeds 1 --best-seeds 3."
+    )] = None,
 ) -> None:
     """Run variants over seeds; print and save a table (Markdown, CSV) and a bar plot."""
     from .config import ConfigError
@@ -208,8 +212,11 @@ def compare(
     try:
         if parallel < 1:
             raise ConfigError(f"--parallel {parallel}: give 1 or more runs at a time")
+        if best_seeds is not None and best_seeds <= seeds:
+            raise ConfigError(f"--best-seeds {best_seeds} must be more than --seeds {seeds} "
+                              "(the grid's seeds are reused)")
         rows, out = run_compare(cfg, parse_vary(vary or []), seeds, run_experiment,
-                                resume=resume, parallel=parallel)
+                                resume=resume, parallel=parallel, best_seeds=best_seeds)
     except ConfigError as e:
         _fail(str(e))
     console.print(to_markdown(rows), markup=False)

@@ -147,6 +147,18 @@ def mean_std(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(vals), (statistics.stdev(vals) if len(vals) > 1 else 0.0)
 
 
+def _run_configs(cfgs: list[ExperimentConfig], run: Callable[[ExperimentConfig], dict[str, Any]],
+                 resume: bool, parallel: int) -> list[dict[str, Any]]:
+    """Each config's summary: finished ones read back when ``resume``; the rest run here
+    (``run``) or in ``parallel`` subprocesses."""
+    todo = [cfg for cfg in cfgs if not (resume and _finished(cfg))]
+    if parallel > 1 and todo:
+        run_parallel(todo, parallel)
+    pending = {id(cfg) for cfg in todo} if parallel <= 1 else set()
+    return [run(cfg) if id(cfg) in pending
+            else json.loads((cfg.run_dir / "summary.json").read_text()) for cfg in cfgs]
+
+
 def _finished(cfg: ExperimentConfig) -> bool:
     done = cfg.run_dir / "summary.json"
     return done.exists() and not json.loads(done.read_text()).get("interrupted")
@@ -209,6 +221,7 @@ def summarise(label: str, summaries: list[dict[str, Any]]) -> dict[str, Any]:
         "percent_of_backbone": p["percent_of_backbone"],
         "sec_per_step": statistics.fmean(x["seconds_per_step"] for x in summaries),
         "peak_rss_mb": max(x["peak_rss_mb"] for x in summaries),
+        "selected": False,  # True for the variant a --best-seeds search picked
     }
 
 
@@ -217,7 +230,8 @@ def to_markdown(rows: list[dict[str, Any]]) -> str:
              "s/step | peak RSS MB |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
-            f"| {r['variant']} | {r['metric']} | {r['mean']:.4f} ± {r['std']:.4f} | "
+            f"| {r['variant']}{' (selected)' if r.get('selected') else ''} | {r['metric']} | "
+            f"{r['mean']:.4f} ± {r['std']:.4f} | "
             f"{r['seeds']} | {r['trainable_without_head']:,} ({r['percent_of_backbone']:.3f}%) | "
             f"{r['sec_per_step']:.3f} | {r['peak_rss_mb']:.0f} |"
         )
@@ -260,28 +274,30 @@ def bar_plot(rows: list[dict[str, Any]]):
 
 def run_compare(base: ExperimentConfig, vary: list[tuple[str, list[str]]], seeds: int,
                 run: Callable[[ExperimentConfig], dict[str, Any]], resume: bool = False,
-                parallel: int = 1) -> tuple[list[dict[str, Any]], Path]:
+                parallel: int = 1, best_seeds: int | None = None
+                ) -> tuple[list[dict[str, Any]], Path]:
     """Run every variant x seed (skipping finished runs when ``resume``); write the table.
 
     ``parallel > 1`` runs that many ``attnlab run`` subprocesses at a time instead of calling
     ``run`` (see ``run_parallel``); the runs and the table are the same.
+    ``best_seeds = N`` (> ``seeds``): a search. After the grid, the variant with the best mean
+    dev metric (the task's direction) gets seeds ``seeds..N-1`` too; its row is marked
+    ``selected``. E.g. a rho or lr grid on seed 0, then 3 seeds at the chosen point.
     """
     from ..train.checkpoint import write_json_atomic
 
     variants = expand(base, vary, seeds)
-    todo = [cfg for _, cfgs in variants for cfg in cfgs if not (resume and _finished(cfg))]
-    if parallel > 1 and todo:
-        run_parallel(todo, parallel)
-    pending = {id(cfg) for cfg in todo} if parallel <= 1 else set()
-    rows = []
-    for label, cfgs in variants:
-        summaries = []
-        for cfg in cfgs:
-            if id(cfg) in pending:
-                summaries.append(run(cfg))
-            else:
-                summaries.append(json.loads((cfg.run_dir / "summary.json").read_text()))
-        rows.append(summarise(label, summaries))
+    done = iter(_run_configs([c for _, cfgs in variants for c in cfgs], run, resume, parallel))
+    per_variant = [[next(done) for _ in cfgs] for _, cfgs in variants]
+    rows = [summarise(label, sums) for (label, _), sums in zip(variants, per_variant,
+                                                               strict=True)]
+    if best_seeds is not None and best_seeds > seeds:
+        sign = 1.0 if per_variant[0][0].get("greater_is_better", True) else -1.0
+        pick = max(range(len(rows)), key=lambda i: sign * rows[i]["mean"])
+        label, cfgs = variants[pick]
+        extra = [replace(cfgs[0], seed=s, name=f"seed-{s}") for s in range(seeds, best_seeds)]
+        sums = per_variant[pick] + _run_configs(extra, run, resume, parallel)
+        rows[pick] = {**summarise(label, sums), "selected": True}
     out = Path(base.output_dir) / base.name
     out.mkdir(parents=True, exist_ok=True)
     for name, text in (("comparison.md", to_markdown(rows)), ("comparison.csv", to_csv(rows))):
