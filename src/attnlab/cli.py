@@ -274,6 +274,8 @@ def bench_sparse(
     )] = None,
     device: Annotated[str, typer.Option(help="cpu or cuda (FlexAttention path).")] = "cpu",
     dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "float32",
+    plot: Annotated[str | None, typer.Option(help="Also draw the scaling curves to this PNG.")
+                    ] = None,
 ) -> None:
     """Band (or another sparse pattern) vs dense SDPA: time fwd / fwd+bwd, peak memory."""
     from .bench.speed import bench_sparse as run_bench
@@ -284,6 +286,7 @@ def bench_sparse(
                      mechanism=mechanism or "band", repeats=repeats, threads=threads,
                      device=device, dtype=dtype)
     console.print(format_markdown(rows), markup=False)
+    _plot_bench(rows, plot)
 
 
 @bench_app.command("jat")
@@ -293,6 +296,8 @@ def bench_jat(
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
     naive_limit_gb: Annotated[float, typer.Option(
         help="Skip the L^3 form where its estimated peak exceeds this.")] = 8.0,
+    plot: Annotated[str | None, typer.Option(help="Also draw the scaling curves to this PNG.")
+                    ] = None,
 ) -> None:
     """One layer of 6 JAT heads: efficient vs the official L^3 form, time and peak memory."""
     from .bench.jat import bench_jat as run_bench
@@ -302,6 +307,15 @@ def bench_jat(
     rows = run_bench(lengths=tuple(int(x) for x in lengths.split(",")), batch=batch,
                      device=device, naive_limit_gb=naive_limit_gb)
     console.print(format_markdown(rows), markup=False)
+    _plot_bench(rows, plot)
+
+
+def _plot_bench(rows, plot: str | None) -> None:
+    if plot:
+        from .bench.plots import env_title, scaling_plot
+        from .bench.speed import environment
+
+        console.print(f"saved {scaling_plot(rows, plot, title=env_title(environment()))}")
 
 
 def _check_device(device: str) -> None:

@@ -229,6 +229,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    ap.add_argument("--plot", default=None, help="also draw the scaling curves to this PNG")
     args = ap.parse_args(argv)
     env_before = environment(args.threads)
     rows = bench_jat(
@@ -237,6 +238,10 @@ def main(argv: list[str] | None = None) -> None:
         threads=args.threads, progress=True, device=args.device,
     )
     print_results(format_markdown(rows), rows, env_before, args.json)
+    if args.plot:
+        from .plots import env_title, scaling_plot
+
+        scaling_plot(rows, args.plot, title=env_title(env_before))
 
 
 if __name__ == "__main__":

@@ -310,6 +310,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--dtype", default="float32", help="float32 or bfloat16")
     ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    ap.add_argument("--plot", default=None, help="also draw the scaling curves to this PNG")
     args = ap.parse_args(argv)
     env_before = environment(args.threads)
     rows = bench_sparse(
@@ -317,6 +318,10 @@ def main(argv: list[str] | None = None) -> None:
         args.mechanism, threads=args.threads, device=args.device, dtype=args.dtype,
     )
     print_results(format_markdown(rows), rows, env_before, args.json)
+    if args.plot:
+        from .plots import env_title, scaling_plot
+
+        scaling_plot(rows, args.plot, title=env_title(env_before))
 
 
 if __name__ == "__main__":
