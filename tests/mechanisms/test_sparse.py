@@ -369,6 +369,29 @@ def test_flex_masks_match_reference_on_cpu_forward(spec, causal):
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_flex_padding_to_blocks_keeps_each_length_its_own_pattern(causal):
+    """Lengths 70, 100 (padded to 128) and 128 (not padded), one after another with the same
+    cache key: each equals the reference, so the cached mask is per true length."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    from attnlab.mechanisms import _flex
+
+    mech = build("bigbird(block=8, window_blocks=3, num_random_blocks=1, global_blocks=1)")
+    for n in (70, 100, 128):
+        q, k, v = (t.detach() for t in _qkv(n, seed=n))
+        key_mask = torch.arange(n)[None, :] < torch.tensor([n, n - 9, 1])[:, None]
+        bias = mech.bias(n, n, layer_idx=0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = _flex.flex_pattern_attention(
+                q, k, v, lambda bias=bias: bias[0] == 0, (mech.cfg, 0), key_mask=key_mask,
+                causal=causal, scale=8**-0.5, compiled=False)
+        ref, _ = attnlab.reference_attention(q, k, v, bias=bias, key_mask=key_mask,
+                                             causal=causal)
+        assert out.shape == ref.shape
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention backend needs CUDA")
 @pytest.mark.parametrize("spec", FAST[:3] + FAST[-2:])
 def test_flex_cuda_matches_cpu_blocked_path(spec):

@@ -10,7 +10,9 @@ How: the pattern (``mech.bias(n, m) == 0``, with causal folded in) becomes a
 (``create_block_mask`` is slow). The key-padding mask changes per batch, so it is applied
 as a ``score_mod`` (-inf for padded keys) instead of entering the cached mask.
 FlexAttention returns zeros for rows with no allowed key. No attention dropout here (the
-caller falls back to the blocked engine when dropout is active).
+caller falls back to the blocked engine when dropout is active). Inputs are padded to a
+multiple of FLEX_BLOCK, so varying lengths share compiled shapes (added after the H100
+check of session 3: verified on CPU with eager FlexAttention, not yet on a GPU).
 Cost: the cached pattern is an [n, m] bool lookup table (n*m bytes on the GPU); the
 compute is block-sparse.
 """
@@ -89,18 +91,38 @@ def flex_pattern_attention(
 ) -> torch.Tensor:
     """Exact masked softmax over the pattern with FlexAttention: [b,h,n,dv].
 
-    ``compiled=False`` runs eager FlexAttention (forward only on CPU; used by the tests).
+    q, k, v are zero-padded along the sequence to a multiple of ``FLEX_BLOCK`` (padded keys
+    are outside the pattern, padded query rows are dropped from the output), so batches of
+    varying length reuse a few compiled shapes instead of recompiling per length (torch.compile
+    with ``dynamic=False`` recompiles per shape and falls back to slow eager FlexAttention
+    past its recompile limit). ``compiled=False`` runs eager FlexAttention (forward only on
+    CPU; used by the tests).
     """
     from torch.nn.attention.flex_attention import flex_attention
 
     n, m = q.shape[2], k.shape[2]
-    bm = block_mask(allowed_fn, key, n, m, causal, q.device, compile_mask=compiled)
+    pn, pm = -n % FLEX_BLOCK, -m % FLEX_BLOCK  # padding to the block multiple
+
+    def padded_allowed() -> torch.Tensor:  # [n + pn, m + pm]: the pattern, causal folded in
+        allowed = allowed_fn().to(torch.bool)
+        if causal:
+            allowed = allowed & causal_mask(n, m, allowed.device)
+        return torch.nn.functional.pad(allowed, (0, pm, 0, pn))  # pads are not allowed
+
+    if pn or pm:
+        q = torch.nn.functional.pad(q, (0, 0, 0, pn))
+        k = torch.nn.functional.pad(k, (0, 0, 0, pm))
+        v = torch.nn.functional.pad(v, (0, 0, 0, pm))
+    bm = block_mask(padded_allowed, (key, n, m, causal), n + pn, m + pm, False, q.device,
+                    compile_mask=compiled)
     score_mod = None
     if key_mask is not None:
         km = key_mask.to(device=q.device, dtype=torch.bool)  # [b,m]
+        km = torch.nn.functional.pad(km, (0, pm))  # padded keys: masked
 
         def score_mod(score, b, h, qi, kj):
             return torch.where(km[b, kj], score, float("-inf"))
 
     fn = _compiled_flex() if compiled else flex_attention
-    return fn(q, k, v, score_mod=score_mod, block_mask=bm, scale=scale)
+    out = fn(q, k, v, score_mod=score_mod, block_mask=bm, scale=scale)
+    return out[:, :, :n]
