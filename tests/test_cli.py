@@ -1,6 +1,7 @@
 """The command line: ls, validate, compare (tiny), params, errors."""
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -158,3 +159,17 @@ def test_compare_best_seeds_runs_more_seeds_of_the_best_variant(tmp_path):
     assert "(selected)" in (tmp_path / "grid" / "comparison.md").read_text()
     res = runner.invoke(app, ["compare", "--seeds", "3", "--best-seeds", "2"])
     assert res.exit_code != 0 and "--best-seeds 2 must be more" in " ".join(res.output.split())
+
+
+def test_run_in_bf16_autocast_with_a_jat_plan(tmp_path):
+    """train.mixed_precision=bf16 (Accelerate autocast; CPU here, GPU alike) trains a model
+    whose plan has JAT heads; the logged losses stay finite."""
+    res = runner.invoke(app, [
+        "run", "name=bf16", f"output_dir={tmp_path}", "task.data_dir=builtin",
+        "model.name=scratch:tiny", "model.max_length=16", "train.max_steps=4",
+        "train.batch_size=4", "task.train_limit=16", "task.eval_limit=8", "train.log_every=1",
+        "train.mixed_precision=bf16", 'plan=["0-1:all:jat(rho=0.5)"]'])
+    assert res.exit_code == 0, res.output
+    lines = (tmp_path / "bf16" / "metrics.jsonl").read_text().splitlines()
+    losses = [json.loads(x)["loss"] for x in lines if '"loss"' in x]
+    assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
