@@ -173,9 +173,10 @@ def run_parallel(cfgs: list[ExperimentConfig], workers: int) -> None:
     import os
     import subprocess
     import sys
-    from concurrent.futures import ThreadPoolExecutor
+    from concurrent.futures import ThreadPoolExecutor, as_completed
 
     import torch
+    from rich.progress import Progress
 
     from ..config import resolved_yaml
 
@@ -198,9 +199,13 @@ def run_parallel(cfgs: list[ExperimentConfig], workers: int) -> None:
         cfg_file.unlink(missing_ok=True)
         return log, rc
 
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        results = list(pool.map(one, enumerate(cfgs)))
-    failed = [str(log) for log, rc in results if rc != 0]
+    results = []
+    with ThreadPoolExecutor(max_workers=workers) as pool, Progress(transient=True) as bar:
+        task = bar.add_task(f"{len(cfgs)} runs, {workers} at a time", total=len(cfgs))
+        for fut in as_completed([pool.submit(one, item) for item in enumerate(cfgs)]):
+            results.append(fut.result())
+            bar.update(task, advance=1)
+    failed = sorted(str(log) for log, rc in results if rc != 0)
     if failed:
         raise ConfigError(f"{len(failed)} of {len(cfgs)} runs failed; see {', '.join(failed)}")
 
