@@ -134,6 +134,7 @@ def run_experiment(cfg: ExperimentConfig, resume: bool = False,
     from ..tuning.accounting import count_parameters
     from ..tuning.base import TaskInfo, resolve_tuning
 
+    _release_other_precision(cfg.train.mixed_precision)
     accelerator = Accelerator(mixed_precision=cfg.train.mixed_precision,
                               cpu=not torch.cuda.is_available())
     run_dir = cfg.run_dir
@@ -219,6 +220,20 @@ def run_experiment(cfg: ExperimentConfig, resume: bool = False,
         _export(accelerator.unwrap_model(parts.model), tok, tuner, run_dir)
     accelerator.wait_for_everyone()
     return {**summary, "is_main_process": accelerator.is_main_process}
+
+
+def _release_other_precision(mixed_precision: str) -> None:
+    """Accelerate keeps one process-wide AcceleratorState and refuses a second Accelerator
+    with another mixed precision ("restart your runtime"). Runs in one process (`attnlab
+    compare --vary train.mixed_precision=no,bf16`, notebooks, tests) may differ there, so the
+    precision part of that state is dropped when it differs; the distributed part
+    (PartialState: process group, rank) is kept. ``_reset_state`` is Accelerate's own
+    (internal) reset, the one its test suite uses."""
+    from accelerate.state import AcceleratorState
+
+    shared = AcceleratorState._shared_state
+    if shared and shared.get("_mixed_precision", mixed_precision) != mixed_precision:
+        AcceleratorState._reset_state(reset_partial_state=False)
 
 
 def _export(model, tok, tuner, run_dir: Path) -> None:
