@@ -237,11 +237,7 @@ def main(argv: list[str] | None = None) -> None:
         rho=args.rho, scale=args.scale, naive_limit_gb=args.naive_limit_gb,
         threads=args.threads, progress=True, device=args.device,
     )
-    print_results(format_markdown(rows), rows, env_before, args.json)
-    if args.plot:
-        from .plots import env_title, scaling_plot
-
-        scaling_plot(rows, args.plot, title=env_title(env_before))
+    print_results(format_markdown(rows), rows, env_before, args.json, args.plot)
 
 
 if __name__ == "__main__":

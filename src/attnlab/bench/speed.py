@@ -269,13 +269,18 @@ def format_markdown(rows: list[dict[str, Any]]) -> str:
 
 
 def print_results(table: str, rows: list[dict[str, Any]], env_before: dict[str, Any],
-                  json_path: str | None) -> None:
-    """Print a benchmark's Markdown table and environment; save rows + environment as JSON."""
+                  json_path: str | None, plot_path: str | None = None) -> None:
+    """Print a benchmark's Markdown table and environment; save rows + environment as JSON
+    and the scaling curves as PNG when asked."""
     print(table)
     print(f"environment: {env_before}; load after: {environment()['loadavg']}")
     if json_path:
         with open(json_path, "w") as f:
             json.dump({"environment": env_before, "rows": rows}, f, indent=2)
+    if plot_path:
+        from .plots import env_title, scaling_plot
+
+        scaling_plot(rows, plot_path, title=env_title(env_before))
 
 
 def environment(threads: int | None = None) -> dict[str, Any]:
@@ -317,11 +322,7 @@ def main(argv: list[str] | None = None) -> None:
         tuple(args.ns), args.window, args.heads, args.head_dim, args.batch, args.repeats,
         args.mechanism, threads=args.threads, device=args.device, dtype=args.dtype,
     )
-    print_results(format_markdown(rows), rows, env_before, args.json)
-    if args.plot:
-        from .plots import env_title, scaling_plot
-
-        scaling_plot(rows, args.plot, title=env_title(env_before))
+    print_results(format_markdown(rows), rows, env_before, args.json, args.plot)
 
 
 if __name__ == "__main__":

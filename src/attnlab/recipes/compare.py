@@ -151,17 +151,22 @@ def _run_configs(cfgs: list[ExperimentConfig], run: Callable[[ExperimentConfig],
                  resume: bool, parallel: int) -> list[dict[str, Any]]:
     """Each config's summary: finished ones read back when ``resume``; the rest run here
     (``run``) or in ``parallel`` subprocesses."""
-    todo = [cfg for cfg in cfgs if not (resume and _finished(cfg))]
+    known = {id(cfg): s for cfg in cfgs if resume and (s := _finished(cfg)) is not None}
+    todo = [cfg for cfg in cfgs if id(cfg) not in known]
     if parallel > 1 and todo:
         run_parallel(todo, parallel)
-    pending = {id(cfg) for cfg in todo} if parallel <= 1 else set()
-    return [run(cfg) if id(cfg) in pending
-            else json.loads((cfg.run_dir / "summary.json").read_text()) for cfg in cfgs]
+        known.update((id(cfg), json.loads((cfg.run_dir / "summary.json").read_text()))
+                     for cfg in todo)
+    return [known[id(cfg)] if id(cfg) in known else run(cfg) for cfg in cfgs]
 
 
-def _finished(cfg: ExperimentConfig) -> bool:
+def _finished(cfg: ExperimentConfig) -> dict[str, Any] | None:
+    """The run's summary if it finished (not interrupted), else None."""
     done = cfg.run_dir / "summary.json"
-    return done.exists() and not json.loads(done.read_text()).get("interrupted")
+    if not done.exists():
+        return None
+    summary = json.loads(done.read_text())
+    return None if summary.get("interrupted") else summary
 
 
 def run_parallel(cfgs: list[ExperimentConfig], workers: int) -> None:
