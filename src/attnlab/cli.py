@@ -298,6 +298,8 @@ def bench_jat(
         help="Skip the L^3 form where its estimated peak exceeds this.")] = 8.0,
     plot: Annotated[str | None, typer.Option(help="Also draw the scaling curves to this PNG.")
                     ] = None,
+    counter: Annotated[str, typer.Option(
+        help="Exact link counter: auto, enumerate, compare or direct.")] = "auto",
 ) -> None:
     """One layer of 6 JAT heads: efficient vs the official L^3 form, time and peak memory."""
     from .bench.jat import bench_jat as run_bench
@@ -305,7 +307,7 @@ def bench_jat(
 
     _check_device(device)
     rows = run_bench(lengths=tuple(int(x) for x in lengths.split(",")), batch=batch,
-                     device=device, naive_limit_gb=naive_limit_gb)
+                     device=device, naive_limit_gb=naive_limit_gb, counter=counter)
     console.print(format_markdown(rows), markup=False)
     _plot_bench(rows, plot)
 

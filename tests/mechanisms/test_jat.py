@@ -126,7 +126,7 @@ def near_tie_scores(n, d, rho, seed):
     return x, lk
 
 
-@pytest.mark.parametrize("method", ["enumerate", "compare", "auto"])
+@pytest.mark.parametrize("method", ["enumerate", "compare", "direct", "auto"])
 @pytest.mark.parametrize("sign", [False, True])
 @pytest.mark.parametrize("pads", [False, True])
 def test_counts_equal_naive_exactly(method, sign, pads):
@@ -147,7 +147,7 @@ def test_counts_equal_naive_exactly(method, sign, pads):
         assert torch.equal(got.long(), ref), (n, rho, kind)
 
 
-@pytest.mark.parametrize("method", ["enumerate", "compare"])
+@pytest.mark.parametrize("method", ["enumerate", "compare", "direct"])
 @pytest.mark.parametrize("sign", [False, True])
 def test_counts_exact_at_last_ulp(method, sign):
     """Values within 3 ulps of the threshold: the real-number cut would get some wrong."""
@@ -170,19 +170,21 @@ def test_counts_exact_at_last_ulp(method, sign):
 def test_counts_exact_across_dtypes_backends_and_chunks(monkeypatch, numpy_on_cpu, dtype,
                                                         cmp_chunk):
     """The torch path (other devices, bf16), numpy's, and tiny chunks: same integers.
-    cmp_chunk 700 < 14^3: row blocks of one head; 6000: blocks of 2 whole heads."""
+    cmp_chunk 700 < 14^3: row blocks of one head; 6000: blocks of 2 whole heads (for the
+    compare and the direct counters alike)."""
     from attnlab.mechanisms import _jat_adjacency as adj
 
     monkeypatch.setattr(adj, "_NUMPY_ON_CPU", numpy_on_cpu)
     monkeypatch.setattr(adj, "_GROUP", 300)  # a few heads per group
     monkeypatch.setattr(adj, "_ENUM_CHUNK", 50)  # many listing chunks
     monkeypatch.setattr(adj, "_CMP_CHUNK", cmp_chunk)
+    monkeypatch.setattr(adj, "_DIRECT_CHUNK", cmp_chunk)
     q, k, _ = qkv(2, 3, 14, 4, seed=21, scale=1.5)
     s, lk = (q @ k.transpose(-1, -2)).to(dtype), key_length(k).to(dtype)
     valid = lengths_mask([14, 9], 14)[:, None, :]
     for rho, sign in [(0.5, False), (0.25, True), (-0.5, True)]:
         ref = naive_jump_counts(s, lk, 4, rho, sign, valid)
-        for method in ("enumerate", "compare"):
+        for method in ("enumerate", "compare", "direct"):
             assert torch.equal(jump_counts(s, lk, 4, rho, sign, valid, method).long(), ref)
 
 
@@ -194,7 +196,7 @@ def test_counts_exact_when_head_dim_is_not_a_power_of_two(d):
         s, lk = q @ k.transpose(-1, -2), key_length(k)
         ns, nlk = near_tie_scores(24, d, rho, seed)
         for sign in (False, True):
-            for method in ("enumerate", "compare"):
+            for method in ("enumerate", "compare", "direct"):
                 ref = naive_jump_counts(s, lk, d, rho, sign)
                 assert torch.equal(jump_counts(s, lk, d, rho, sign, None, method).long(), ref)
                 ref = naive_jump_counts(ns, nlk, d, rho, sign)

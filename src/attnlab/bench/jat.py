@@ -50,14 +50,17 @@ def naive_peak_gb(n: int, batch: int, heads: int) -> float:
 def measure(
     form: str, n: int, batch: int = 8, heads: int = 6, head_dim: int = 64, repeats: int = 3,
     rho: float = 5.0, scale: float = 2.5, threads: int | None = None, device: str = "cpu",
+    counter: str = "auto",
 ) -> dict[str, Any]:
     """One measurement in *this* process (call it in a fresh one for a valid peak memory).
 
     On ``device="cuda"`` peak memory is the allocator's (``DevicePeak``) and the clocks wait
     for the GPU.
 
-    form: "efficient" or "naive". Returns fwd_ms, fwdbwd_ms, peak_fwd_mb, peak_mem_mb and,
-    for the efficient form, link_fraction (jump links / (b h n^3)) and count_method.
+    form: "efficient" or "naive"; counter: the efficient form's exact link counter
+    (``jat(adjacency=...)``: auto, enumerate, compare or direct). Returns fwd_ms,
+    fwdbwd_ms, peak_fwd_mb, peak_mem_mb and, for the efficient form, link_fraction (jump
+    links / (b h n^3)) and count_method.
     """
     import torch
 
@@ -66,7 +69,7 @@ def measure(
 
     if threads:
         torch.set_num_threads(threads)
-    adjacency = "naive" if form == "naive" else "auto"
+    adjacency = "naive" if form == "naive" else counter
     mech = attnlab.build_mechanism(
         f"jat(rho={rho}, adjacency={adjacency!r})", attnlab.HeadDims(heads, head_dim)
     ).eval().to(device)
@@ -123,7 +126,13 @@ def measure(
             links = int(adj._lengths(p, prefix, None, n).sum())
             listed = adj._enum_size(p, prefix, None, n)
         out["link_fraction"] = links / n**3
-        out["count_method"] = "enumerate" if listed <= adj._ENUM_FRACTION * n**3 else "compare"
+        if counter != "auto":
+            out["count_method"] = counter
+        elif torch.device(device).type != "cpu" and n <= adj._DIRECT_MAX_N:
+            out["count_method"] = "direct"
+        else:
+            sparse = listed <= adj._ENUM_FRACTION * n**3
+            out["count_method"] = "enumerate" if sparse else "compare"
     return out
 
 
@@ -149,6 +158,7 @@ def bench_jat(
     threads: int | None = None,
     progress: bool = False,
     device: str = "cpu",
+    counter: str = "auto",
 ) -> list[dict[str, Any]]:
     """Time and peak memory of the efficient JAT layer vs the official n^3 form.
 
@@ -158,7 +168,7 @@ def bench_jat(
     when the naive form was skipped).
     """
     common = dict(batch=batch, heads=jat_heads, head_dim=head_dim, repeats=repeats, rho=rho,
-                  scale=scale, threads=threads, device=device)
+                  scale=scale, threads=threads, device=device, counter=counter)
     rows: list[dict[str, Any]] = []
     for n in lengths:
         for form in ("naive", "efficient"):
@@ -228,6 +238,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--naive-limit-gb", type=float, default=8.0)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--counter", default="auto", choices=["auto", "enumerate", "compare", "direct"],
+                    help="exact link counter of the efficient form (auto: by device and n)")
     ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
     ap.add_argument("--plot", default=None, help="also draw the scaling curves to this PNG")
     args = ap.parse_args(argv)
@@ -235,7 +247,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = bench_jat(
         tuple(args.lengths), args.batch, args.jat_heads, args.head_dim, args.repeats,
         rho=args.rho, scale=args.scale, naive_limit_gb=args.naive_limit_gb,
-        threads=args.threads, progress=True, device=args.device,
+        threads=args.threads, progress=True, device=args.device, counter=args.counter,
     )
     print_results(format_markdown(rows), rows, env_before, args.json, args.plot)
 

@@ -31,6 +31,13 @@ Counting the links from the ranges has two exact back ends:
   comparisons in cache-sized blocks; O(n^3) time with a small constant, O(n^2) memory.
 * ``auto`` picks ``enumerate`` when it lists fewer than ``_ENUM_FRACTION`` * n^3 entries.
 
+Off the CPU one more back end exists: ``direct`` evaluates the official predicate on every
+(k, i, j) in blocks of whole heads (O(n^3) work, O(block) memory, no sort and no
+host-device synchronisation). The sorted-range path issues data-dependent sizes
+(``nonzero``, a binary search loop), each a GPU -> host sync, which dominate a short
+training batch on a GPU. ``auto`` takes ``direct`` on non-CPU devices for n <=
+``_DIRECT_MAX_N``. It is the naive expression itself, so it is exact by construction.
+
 Non-finite scores: NaN counts as 0 (as in the official code). The guarantee is for finite
 scores and keys: with an infinite score the official strength of a zero score is
 0 * inf = NaN, which no sorted range can express (seen in a check, not handled).
@@ -45,7 +52,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-CountMethod = Literal["auto", "enumerate", "compare"]
+CountMethod = Literal["auto", "enumerate", "compare", "direct"]
 
 # ``auto`` enumerates links when that lists fewer entries than this fraction of n^3:
 # measured on one core, a listed entry costs 12-18 ns and a comparison 0.7-0.9 ns.
@@ -57,6 +64,10 @@ _CMP_CHUNK = 1 << 19
 # The same off the CPU: GPUs want few large kernels, not cache-sized blocks (not tuned: the
 # GPU time of session 3 ended before this was measured; 64 Mi one-byte hits, ~0.2 GB temp).
 _CMP_CHUNK_GPU = 1 << 26
+# ``direct`` (GPU): elements of the [heads, k, i, j] strength block per kernel, and the
+# longest input ``auto`` sends there (beyond it the O(n^2 log n + E) path wins on work).
+_DIRECT_CHUNK = 1 << 25
+_DIRECT_MAX_N = 256
 # Score entries (g x n x n) handled per group of heads; bounds the working memory.
 _GROUP = 1 << 22
 # Use numpy for sorting and listing on CPU (faster; same integers). Tests switch it off to
@@ -242,8 +253,10 @@ def jump_counts(
     processed in groups of about ``_GROUP`` score entries, which bounds the working memory
     beyond the int32 output to O(_GROUP) whatever the batch.
     """
-    if method not in ("auto", "enumerate", "compare"):
-        raise ValueError(f"unknown count method {method!r}; use 'auto', 'enumerate' or 'compare'")
+    if method not in ("auto", "enumerate", "compare", "direct"):
+        raise ValueError(
+            f"unknown count method {method!r}; use 'auto', 'enumerate', 'compare' or 'direct'"
+        )
     *batch, n, m = scores.shape
     if n != m:
         raise ValueError(f"jump links need square scores (queries = keys), got {n} x {m}")
@@ -251,6 +264,10 @@ def jump_counts(
     g = x.shape[0]
     lk = key_len.detach().to(x.dtype).expand(*batch, n).reshape(g, n)  # [g, n]
     ok = None if valid is None else valid.to(torch.bool).expand(*batch, n).reshape(g, n)
+    if method == "direct" or (
+        method == "auto" and x.device.type != "cpu" and n <= _DIRECT_MAX_N
+    ):
+        return _count_direct(x, lk, head_dim, rho, sign, ok).view(*batch, n, n)
     counts = torch.zeros(g, n, n, dtype=torch.int32, device=x.device)
     step = max(1, _GROUP // max(1, n * n))
     for g0 in range(0, g, step):
@@ -385,6 +402,44 @@ def _count_compare(p, prefix, perm, empty) -> torch.Tensor:
             i1 = i0 + rows
             hit = (r ^ flip[gi, i0:i1]) >= thr[gi, i0:i1]  # [c, k, j]
             counts[gi, i0:i1] = hit.sum(1, dtype=torch.int32)
+    return counts
+
+
+def _count_direct(x, lk, head_dim, rho, sign, ok) -> torch.Tensor:
+    """The official predicate on every (k, i, j), whole heads per block: int32 [g, i, j].
+
+    x [g, i, k] clean scores, lk [g, k], ok [g, n] bool or None (False = padding: no
+    links through that key, its row and column zeroed). B_k[i, j] = 1[U >= rho] with U =
+    ``jump_strength(S[i, k], S[j, k])`` exactly as ``naive_jump_counts`` evaluates it;
+    blocks of about ``_DIRECT_CHUNK`` strengths bound the memory.
+    """
+    g, n, _ = x.shape
+    a = x.transpose(1, 2)  # [g, k, i]
+    klen = lk[:, :, None, None]  # [g, k, 1, 1]
+    key_ok = None if ok is None else ok[:, :, None, None]  # [g, k, 1, 1]
+    counts = torch.empty(g, n, n, dtype=torch.int32, device=x.device)
+    if n**3 <= _DIRECT_CHUNK:  # whole heads per block
+        heads = _DIRECT_CHUNK // n**3
+        for g0 in range(0, g, heads):
+            sl = slice(g0, g0 + heads)
+            av = a[sl]
+            u = jump_strength(av[..., :, None], av[..., None, :], klen[sl], head_dim, sign)
+            links = u >= rho  # [gc, k, i, j]
+            if key_ok is not None:
+                links &= key_ok[sl]
+            counts[sl] = links.sum(1, dtype=torch.int32)
+    else:  # rows of one head per block
+        rows = max(1, _DIRECT_CHUNK // (n * n))
+        for gi in range(g):
+            av, kl = a[gi], klen[gi]  # [k, i], [k, 1, 1]
+            for i0 in range(0, n, rows):
+                u = jump_strength(av[:, i0 : i0 + rows, None], av[:, None, :], kl, head_dim, sign)
+                links = u >= rho  # [k, c, j]
+                if key_ok is not None:
+                    links &= key_ok[gi]
+                counts[gi, i0 : i0 + rows] = links.sum(0, dtype=torch.int32)
+    if ok is not None:
+        counts *= ok[:, :, None] & ok[:, None, :]
     return counts
 
 

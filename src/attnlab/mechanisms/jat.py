@@ -35,7 +35,7 @@ from ._jat_adjacency import (
     normalized_adjacency,
 )
 
-AdjacencyMethod = Literal["auto", "enumerate", "compare", "naive"]
+AdjacencyMethod = Literal["auto", "enumerate", "compare", "direct", "naive"]
 
 
 @dataclass(frozen=True, kw_only=True)
