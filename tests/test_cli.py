@@ -52,6 +52,22 @@ def test_validate_reports_unknown_mechanism_in_plan(tmp_path):
     assert res.exit_code == 2 and "band" in res.output
 
 
+def test_run_overrides_take_named_plans():
+    """plan=NAME on run/validate means what it means in compare --vary plan=NAME."""
+    from attnlab.cli import _load
+    from attnlab.recipes.compare import plan_value
+
+    root = Path(__file__).resolve().parents[1]
+    cfg = str(root / "configs/jat/cola.yaml")
+    assert _load(cfg, ["plan=jat_late"]).plan == plan_value("jat_late")
+    rho = _load(cfg, ["plan=jat(rho=4.5)"]).plan
+    assert rho == plan_value("jat(rho=4.5)") and "rho=4.5" in rho[0]
+    assert _load(cfg, ["plan=baseline"]).plan == []
+    assert _load(cfg, ["plan=[]"]).plan == []  # YAML lists are untouched
+    res = runner.invoke(app, ["validate", cfg, "plan=jatt"])
+    assert res.exit_code == 2 and "unknown plan 'jatt'" in res.output
+
+
 CONFIGS = sorted(str(p.relative_to(Path(__file__).resolve().parents[1]))
                  for p in (Path(__file__).resolve().parents[1] / "configs").rglob("*.yaml"))
 

@@ -89,8 +89,25 @@ def demo(
 
 
 Overrides = Annotated[
-    list[str] | None, typer.Argument(help="Config overrides key.sub=value (YAML values).")
+    list[str] | None, typer.Argument(help="Config overrides key.sub=value (YAML values); "
+                                     "plan=NAME takes a named plan, e.g. plan=jat(rho=4.5).")
 ]
+
+
+def _named_plans(overrides: list[str]) -> list[str]:
+    """``plan=jat``, ``plan=jat(rho=4.5)``, ``plan=0-2:all:band(window=8)``: the named plans
+    and rules of ``compare --vary plan=...``, turned into the YAML list the config takes."""
+    import json
+
+    from .recipes.compare import plan_value
+
+    out = []
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if sep and key.strip() == "plan" and value.strip()[:1] not in ("[", ""):
+            item = "plan=" + json.dumps(plan_value(value))
+        out.append(item)
+    return out
 
 
 def _load(config: str | None, overrides: list[str] | None):
@@ -101,7 +118,7 @@ def _load(config: str | None, overrides: list[str] | None):
     if config is not None and "=" in config and not Path(config).exists():
         config, overrides = None, [config, *(overrides or [])]  # no file: all overrides
     try:
-        return load_config(config, overrides or [])
+        return load_config(config, _named_plans(overrides or []))
     except ConfigError as e:
         _fail(str(e))
 
