@@ -1,7 +1,10 @@
 """The runner finalizes Diff-Prune: the saved model is the pruned one, its metric is the
 run's result, and `attnlab eval` on the saved weights reproduces it."""
 
+import json
+
 import pytest
+import torch
 
 from attnlab.config import load_config
 from attnlab.recipes.finetune import evaluate_run, run_experiment
@@ -30,3 +33,48 @@ def test_other_tuners_are_not_reevaluated(tmp_path):
                                     "tuning.method=bitfit"])
     summary = run_experiment(cfg)
     assert summary["before_finalize"] is None
+
+
+def _dp(tmp_path, name, mask_epochs, resume=False, stop_after=None):
+    cfg = load_config(None, BASE + [f"name={name}", f"output_dir={tmp_path}",
+                                    f"tuning.method=diff_prune(target_sparsity=0.01, "
+                                    f"mask_epochs={mask_epochs})"])
+    return run_experiment(cfg, resume=resume, stop_after=stop_after)
+
+
+def test_masked_epochs_train_only_the_kept_entries_and_resume(tmp_path):
+    """Stage 2 (mask fixed): same mask as pruning alone, the kept values move, the result is
+    stage 2's best; cut inside stage 2 and resumed, it ends where an uncut run ends."""
+    from safetensors.torch import load_file
+
+    pruned = _dp(tmp_path, "p0", 0)
+    full = _dp(tmp_path, "p1", 1)
+    assert pruned["masked_steps"] is None and full["masked_steps"] == 6  # 48 examples / 8
+    assert full["steps"] == 4 + 6
+    assert full["pruned_eval"] == pytest.approx(pruned["best_eval"], abs=1e-6)
+    a, b = load_file(tmp_path / "p0" / "tuned.safetensors"), load_file(
+        tmp_path / "p1" / "tuned.safetensors")
+    assert a.keys() == b.keys()
+    idx = [k for k in a if k.endswith(".indices")]
+    assert idx and all(torch.equal(a[k], b[k]) for k in idx)  # the mask is stage 1's
+    moved = sum(not torch.equal(a[k[:-8] + ".values"], b[k[:-8] + ".values"]) for k in idx)
+    assert moved > len(idx) // 2  # the kept entries trained
+    evals = [json.loads(x) for x in (tmp_path / "p1" / "masked" / "metrics.jsonl")
+             .read_text().splitlines() if "eval" in x]
+    main = full["main_metric"]
+    assert full["best_metric"] == pytest.approx(max(e["eval"][main] for e in evals))
+    assert evaluate_run(tmp_path / "p1") == pytest.approx(full["best_eval"], abs=1e-6)
+
+    cut = _dp(tmp_path, "cut", 1, stop_after=4 + 3)
+    assert cut["interrupted"] and cut["masked_steps"] == 3
+    resumed = _dp(tmp_path, "cut", 1, resume=True)
+    assert not resumed["interrupted"] and resumed["steps"] == full["steps"]
+    c = load_file(tmp_path / "cut" / "tuned.safetensors")
+    for k in b:
+        torch.testing.assert_close(c[k], b[k], atol=1e-6, rtol=0)
+    assert resumed["best_eval"] == pytest.approx(full["best_eval"], abs=1e-6)
+
+
+def test_mask_epochs_must_not_be_negative(tmp_path):
+    with pytest.raises(Exception, match="mask_epochs"):
+        _dp(tmp_path, "neg", -1)

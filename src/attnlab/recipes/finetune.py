@@ -180,17 +180,28 @@ def run_experiment(cfg: ExperimentConfig, resume: bool = False,
     state = fit(cfg, parts, accelerator, run_dir, resume=resume, stop_after=stop_after)
     best = next((e["eval"] for e in state.evals if e["step"] == state.best_step), {})
     interrupted = stop_after is not None and state.step >= stop_after
-    best_metric, finalized = state.best_metric, None
+    best_metric, finalized, pruned, masked = state.best_metric, None, None, None
     if getattr(tuner, "finalize_changes_model", False) and not interrupted:
-        # Diff-Prune: prune the (best) model to its target sparsity; what is saved and what
-        # `attnlab eval` re-measures is the pruned model, so its metric is the run's result.
+        # Diff-Prune: prune the (best) model to its target sparsity, then (mask_epochs > 0)
+        # train the kept entries under the fixed mask; what is saved and what `attnlab
+        # eval` re-measures is that final model, so its metric is the run's result.
         final_model = accelerator.unwrap_model(parts.model)
         tuner.finalize(final_model)
         final_model.eval()
         with torch.no_grad():
-            finalized = parts.evaluate(final_model)
+            pruned = parts.evaluate(final_model)
+        finalized = pruned
+        mask_epochs = float(getattr(tcfg, "mask_epochs", 0.0) or 0.0)
+        if mask_epochs > 0:
+            later = None if stop_after is None else max(stop_after - state.step, 0)
+            masked = _masked_phase(cfg, parts, final_model, accelerator, run_dir, mask_epochs,
+                                   resume, later)
+            interrupted = later is not None and masked.step >= later
+            finalized = next((e["eval"] for e in masked.evals if e["step"] == masked.best_step),
+                             pruned)
         params = count_parameters(final_model, tuner)
         best_metric = finalized.get(main_metric, best_metric)
+    train_seconds = state.train_seconds + (masked.train_seconds if masked is not None else 0.0)
     summary = {
         "name": cfg.name,
         "task": task.name,
@@ -204,11 +215,13 @@ def run_experiment(cfg: ExperimentConfig, resume: bool = False,
         "best_eval": finalized if finalized is not None else best,
         "before_finalize": ({"best_metric": state.best_metric, "best_eval": best}
                             if finalized is not None else None),
+        "pruned_eval": pruned,  # Diff-Prune: right after pruning, before the masked epochs
+        "masked_steps": masked.step if masked is not None else None,
         "final_eval": state.evals[-1]["eval"] if state.evals else {},
-        "steps": state.step,
+        "steps": state.step + (masked.step if masked is not None else 0),
         "train_examples": len(train_feats),
-        "train_seconds": state.train_seconds,
-        "seconds_per_step": state.train_seconds / max(state.step, 1),
+        "train_seconds": train_seconds,
+        "seconds_per_step": train_seconds / max(state.step + (masked.step if masked else 0), 1),
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "params": params,
         "surgery": report.to_dict() if report is not None else None,
@@ -220,6 +233,22 @@ def run_experiment(cfg: ExperimentConfig, resume: bool = False,
         _export(accelerator.unwrap_model(parts.model), tok, tuner, run_dir)
     accelerator.wait_for_everyone()
     return {**summary, "is_main_process": accelerator.is_main_process}
+
+
+def _masked_phase(cfg: ExperimentConfig, parts, model, accelerator, run_dir: Path,
+                  epochs: float, resume: bool, stop_after: int | None):
+    """Diff-Prune's second stage: ``epochs`` more epochs of the pruned model with its mask
+    fixed (only the kept diff entries and the head train; no L0 term), a fresh optimizer and
+    schedule with the run's settings, evaluated and kept-best like the first stage. Its
+    checkpoints and metrics go to ``run_dir/masked/``, so ``--resume`` continues it."""
+    from dataclasses import replace
+
+    cfg2 = replace(cfg, train=replace(cfg.train, epochs=epochs, max_steps=None))
+    if accelerator.is_main_process:
+        (run_dir / "masked").mkdir(parents=True, exist_ok=True)
+    parts2 = replace(parts, model=model, aux_loss=None)
+    return fit(cfg2, parts2, accelerator, run_dir / "masked", resume=resume,
+               stop_after=stop_after)
 
 
 def _release_other_precision(mixed_precision: str) -> None:
@@ -272,6 +301,8 @@ def load_run_model(run_dir: str | Path) -> tuple[torch.nn.Module, Any, Experimen
     weights, so the model computes exactly what the run evaluated. Shared by ``attnlab eval``,
     ``attnlab analyze heads`` and ``attnlab report``.
     """
+    from accelerate.utils import set_seed
+
     from ..config import load_config
     from ..hf.plan import Plan
     from ..hf.surgery import apply_plan
@@ -284,7 +315,8 @@ def load_run_model(run_dir: str | Path) -> tuple[torch.nn.Module, Any, Experimen
         raise FileNotFoundError(f"{weights} not found: is {run_dir} a finished attnlab run?")
     cfg = load_config(run_dir / "config.yaml")
     task = get_task(cfg.task.name)
-    model, tok = build_model(cfg, task)
+    set_seed(cfg.seed)  # as in run_experiment: a scratch backbone that was not tuned (and
+    model, tok = build_model(cfg, task)  # so is not in tuned.safetensors) is its seeded init
     if cfg.plan:
         apply_plan(model, Plan.parse(cfg.plan))
     tuner, tcfg = resolve_tuning(cfg.tuning.method)

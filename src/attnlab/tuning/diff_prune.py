@@ -13,10 +13,12 @@ Neural Networks through L0 Regularization", ICLR 2018):
 
 ``aux_loss`` returns lambda * E[||z||_0], which the runner adds to the task loss.
 ``finalize`` then does what the paper does at the end: magnitude-prune the diff
-delta = z * w to the target sparsity (0.5% of the backbone, kept globally by |delta|),
-fix the binary mask, and keep training w under that mask (rebuild the optimizer after
-``finalize``: log_alpha no longer trains). Saving after ``finalize`` stores only the kept
-entries (flat indices + values). The task head trains densely, as in the paper.
+delta = z * w to the target sparsity (0.5% of the backbone, kept globally by |delta|) and
+fix the binary mask. The runner (``attnlab run``) then trains w under that mask for
+``mask_epochs`` more epochs (official scripts: 3) with a fresh optimizer (log_alpha no
+longer trains, no L0 term) and keeps the best of those epochs on dev. Saving after
+``finalize`` stores only the kept entries (flat indices + values). The task head trains
+densely, as in the paper.
 Cost: two extra tensors (w, log_alpha) the size of the backbone, plus one gate sample per
 weight access.
 
@@ -70,12 +72,15 @@ class DiffPruneConfig(TunerConfig):
     beta: float = 2.0 / 3.0  # beta: hard-concrete temperature
     gamma: float = -0.1  # gamma: lower end of the stretched interval (< 0)
     zeta: float = 1.1  # zeta: upper end of the stretched interval (> 1)
+    mask_epochs: float = 3.0  # epochs trained after pruning with the mask fixed (official: 3)
 
     def __post_init__(self) -> None:
         if not 0.0 < self.target_sparsity <= 1.0:
             raise ValueError("target_sparsity must be in (0, 1]")
         if self.beta <= 0:
             raise ValueError("beta must be > 0")
+        if self.mask_epochs < 0:
+            raise ValueError("mask_epochs must be >= 0 (0: prune and stop, no masked epochs)")
         if not (self.gamma < 0.0 and self.zeta > 1.0):
             raise ValueError("need gamma < 0 < 1 < zeta for the stretched gate")
 
@@ -119,7 +124,8 @@ class DiffParametrization(nn.Module):
 
     def fix(self, mask: torch.Tensor, values: torch.Tensor) -> None:
         """Freeze the gate to ``mask`` (bool, shape of w) and set w to ``values``."""
-        self.mask = mask.to(device=self.w.device, dtype=torch.bool)
+        # own storage: a view into the global choice would make every mask one shared tensor
+        self.mask = mask.to(device=self.w.device, dtype=torch.bool).clone()
         with torch.no_grad():
             self.w.copy_(values * mask)
         self.fixed = True
