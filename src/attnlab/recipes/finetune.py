@@ -211,7 +211,7 @@ def run_experiment(cfg: ExperimentConfig, resume: bool = False,
         "main_metric": main_metric,
         "greater_is_better": task.greater_is_better,
         "best_metric": best_metric,
-        "best_step": state.best_step,
+        "best_step": state.best_step if masked is None else state.step + masked.best_step,
         "best_eval": finalized if finalized is not None else best,
         "before_finalize": ({"best_metric": state.best_metric, "best_eval": best}
                             if finalized is not None else None),
