@@ -46,3 +46,14 @@ def test_collect_errors_name_the_problem(tmp_path):
     (tmp_path / "empty").mkdir()
     res = runner.invoke(app, ["collect", str(tmp_path / "empty"), "--out", str(tmp_path / "o")])
     assert res.exit_code == 2 and "neither a variant folder" in " ".join(res.output.split())
+
+
+def test_table_shows_spread_only_with_several_seeds():
+    from attnlab.recipes.compare import to_markdown
+
+    row = {"variant": "v", "metric": "mcc", "mean": 0.31, "std": 0.0, "seeds": 1,
+           "trainable_without_head": 10, "percent_of_backbone": 1.0, "sec_per_step": 0.1,
+           "peak_rss_mb": 5.0}
+    assert "| 0.3100 |" in to_markdown([row]) and "±" not in to_markdown([row]).split("\n")[2]
+    many = {**row, "seeds": 3, "std": 0.02}
+    assert "| 0.3100 ± 0.0200 |" in to_markdown([many])
