@@ -128,7 +128,7 @@ def measure(
         out["link_fraction"] = links / n**3
         if counter != "auto":
             out["count_method"] = counter
-        elif torch.device(device).type != "cpu" and n <= adj._DIRECT_MAX_N:
+        elif adj.direct_applies(torch.device(device), n):
             out["count_method"] = "direct"
         else:
             sparse = listed <= adj._ENUM_FRACTION * n**3

@@ -264,9 +264,7 @@ def jump_counts(
     g = x.shape[0]
     lk = key_len.detach().to(x.dtype).expand(*batch, n).reshape(g, n)  # [g, n]
     ok = None if valid is None else valid.to(torch.bool).expand(*batch, n).reshape(g, n)
-    if method == "direct" or (
-        method == "auto" and x.device.type != "cpu" and n <= _DIRECT_MAX_N
-    ):
+    if method == "direct" or (method == "auto" and direct_applies(x.device, n)):
         return _count_direct(x, lk, head_dim, rho, sign, ok).view(*batch, n, n)
     counts = torch.zeros(g, n, n, dtype=torch.int32, device=x.device)
     step = max(1, _GROUP // max(1, n * n))
@@ -405,39 +403,37 @@ def _count_compare(p, prefix, perm, empty) -> torch.Tensor:
     return counts
 
 
+def direct_applies(device: torch.device, n: int) -> bool:
+    """Whether ``method="auto"`` counts with ``direct``: off the CPU, n <= _DIRECT_MAX_N."""
+    return device.type != "cpu" and n <= _DIRECT_MAX_N
+
+
 def _count_direct(x, lk, head_dim, rho, sign, ok) -> torch.Tensor:
-    """The official predicate on every (k, i, j), whole heads per block: int32 [g, i, j].
+    """The official predicate on every (k, i, j): int32 [g, i, j].
 
     x [g, i, k] clean scores, lk [g, k], ok [g, n] bool or None (False = padding: no
     links through that key, its row and column zeroed). B_k[i, j] = 1[U >= rho] with U =
-    ``jump_strength(S[i, k], S[j, k])`` exactly as ``naive_jump_counts`` evaluates it;
-    blocks of about ``_DIRECT_CHUNK`` strengths bound the memory.
+    ``jump_strength(S[i, k], S[j, k])`` exactly as ``naive_jump_counts`` evaluates it.
+    Blocks of about ``_DIRECT_CHUNK`` strengths bound the memory: several whole heads per
+    block when a head fits, else row slices of one head.
     """
     g, n, _ = x.shape
     a = x.transpose(1, 2)  # [g, k, i]
     klen = lk[:, :, None, None]  # [g, k, 1, 1]
     key_ok = None if ok is None else ok[:, :, None, None]  # [g, k, 1, 1]
+    heads = max(1, _DIRECT_CHUNK // n**3)
+    rows = n if n**3 <= _DIRECT_CHUNK else max(1, _DIRECT_CHUNK // (n * n))
     counts = torch.empty(g, n, n, dtype=torch.int32, device=x.device)
-    if n**3 <= _DIRECT_CHUNK:  # whole heads per block
-        heads = _DIRECT_CHUNK // n**3
-        for g0 in range(0, g, heads):
-            sl = slice(g0, g0 + heads)
-            av = a[sl]
-            u = jump_strength(av[..., :, None], av[..., None, :], klen[sl], head_dim, sign)
-            links = u >= rho  # [gc, k, i, j]
+    for g0 in range(0, g, heads):
+        sl = slice(g0, g0 + heads)
+        av = a[sl]  # [gc, k, i]
+        for i0 in range(0, n, rows):
+            ri = slice(i0, i0 + rows)
+            u = jump_strength(av[..., ri, None], av[..., None, :], klen[sl], head_dim, sign)
+            links = u >= rho  # [gc, k, rows, j]
             if key_ok is not None:
                 links &= key_ok[sl]
-            counts[sl] = links.sum(1, dtype=torch.int32)
-    else:  # rows of one head per block
-        rows = max(1, _DIRECT_CHUNK // (n * n))
-        for gi in range(g):
-            av, kl = a[gi], klen[gi]  # [k, i], [k, 1, 1]
-            for i0 in range(0, n, rows):
-                u = jump_strength(av[:, i0 : i0 + rows, None], av[:, None, :], kl, head_dim, sign)
-                links = u >= rho  # [k, c, j]
-                if key_ok is not None:
-                    links &= key_ok[gi]
-                counts[gi, i0 : i0 + rows] = links.sum(0, dtype=torch.int32)
+            counts[sl, ri] = links.sum(1, dtype=torch.int32)
     if ok is not None:
         counts *= ok[:, :, None] & ok[:, None, :]
     return counts

@@ -191,7 +191,7 @@ def run_experiment(cfg: ExperimentConfig, resume: bool = False,
         with torch.no_grad():
             pruned = parts.evaluate(final_model)
         finalized = pruned
-        mask_epochs = float(getattr(tcfg, "mask_epochs", 0.0) or 0.0)
+        mask_epochs = getattr(tcfg, "mask_epochs", 0.0)
         if mask_epochs > 0:
             later = None if stop_after is None else max(stop_after - state.step, 0)
             masked = _masked_phase(cfg, parts, final_model, accelerator, run_dir, mask_epochs,
@@ -201,6 +201,7 @@ def run_experiment(cfg: ExperimentConfig, resume: bool = False,
                              pruned)
         params = count_parameters(final_model, tuner)
         best_metric = finalized.get(main_metric, best_metric)
+    masked_steps = masked.step if masked is not None else 0
     train_seconds = state.train_seconds + (masked.train_seconds if masked is not None else 0.0)
     summary = {
         "name": cfg.name,
@@ -216,12 +217,12 @@ def run_experiment(cfg: ExperimentConfig, resume: bool = False,
         "before_finalize": ({"best_metric": state.best_metric, "best_eval": best}
                             if finalized is not None else None),
         "pruned_eval": pruned,  # Diff-Prune: right after pruning, before the masked epochs
-        "masked_steps": masked.step if masked is not None else None,
+        "masked_steps": masked_steps if masked is not None else None,
         "final_eval": state.evals[-1]["eval"] if state.evals else {},
-        "steps": state.step + (masked.step if masked is not None else 0),
+        "steps": state.step + masked_steps,
         "train_examples": len(train_feats),
         "train_seconds": train_seconds,
-        "seconds_per_step": train_seconds / max(state.step + (masked.step if masked else 0), 1),
+        "seconds_per_step": train_seconds / max(state.step + masked_steps, 1),
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "params": params,
         "surgery": report.to_dict() if report is not None else None,
