@@ -27,7 +27,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the embedded model never needs t
 
 
 def _fail(message: str) -> None:
-    console.print(f"[bold red]error:[/] {message}")
+    from rich.markup import escape
+
+    console.print(f"[bold red]error:[/] {escape(message)}")
     raise typer.Exit(code=2)
 
 
@@ -154,9 +156,13 @@ def run(
 
 
 def _run_and_report(cfg, resume: bool) -> None:
+    from .config import ConfigError
     from .recipes.finetune import run_experiment
 
-    summary = run_experiment(cfg, resume=resume)
+    try:
+        summary = run_experiment(cfg, resume=resume)
+    except ConfigError as e:
+        _fail(str(e))
     if not summary["is_main_process"]:
         return
     table = Table(title=f"{cfg.name}: {summary['task']} ({summary['tuning']})")
@@ -211,7 +217,8 @@ def compare(
         help="key=v1,v2 (repeatable); plan values are named plans or LAYERS:HEADS:SPEC rules."
     )] = None,
     seeds: Annotated[int, typer.Option(help="Seeds per variant (0..N-1).")] = 3,
-    resume: Annotated[bool, typer.Option(help="Skip variants x seeds already finished.")] = False,
+    resume: Annotated[bool, typer.Option(
+        help="Skip variants x seeds already finished; continue interrupted ones.")] = False,
     parallel: Annotated[int, typer.Option(
         help="Runs at a time, each in its own process (GPUs shared out; logs beside runs)."
     )] = 1,

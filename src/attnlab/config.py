@@ -238,3 +238,30 @@ def validate(cfg: ExperimentConfig) -> None:
 
 def resolved_yaml(cfg: ExperimentConfig) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def config_changes(old: ExperimentConfig, new: ExperimentConfig,
+                   ignore: tuple[str, ...] = ("name", "output_dir")) -> list[str]:
+    """The settings that differ between two configs, as ``key: old -> new`` lines (top-level
+    keys in ``ignore`` skipped: a run's location is not part of what it computes)."""
+    def flat(d: Any, prefix: str = "") -> dict[str, Any]:
+        if isinstance(d, dict) and d:
+            return {k: v for key, val in d.items() for k, v in flat(val, f"{prefix}{key}.").items()}
+        return {prefix.rstrip("."): d}
+
+    a, b = flat(to_dict(old)), flat(to_dict(new))
+    keys = [k for k in dict.fromkeys([*a, *b]) if k.split(".")[0] not in ignore]
+    return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in keys if a.get(k) != b.get(k)]
+
+
+def run_config_changes(run_dir: Path, cfg: ExperimentConfig) -> list[str] | None:
+    """How ``cfg`` differs from the config saved in ``run_dir/config.yaml`` (None when there
+    is none); a saved config this version cannot read counts as one change."""
+    saved = Path(run_dir) / "config.yaml"
+    if not saved.exists():
+        return None
+    try:
+        old = from_dict(ExperimentConfig, yaml.safe_load(saved.read_text()) or {})
+    except (ConfigError, yaml.YAMLError) as e:
+        return [f"{saved} cannot be read by this version ({e})"]
+    return config_changes(old, cfg)

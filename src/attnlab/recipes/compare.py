@@ -27,7 +27,15 @@ from typing import Any
 
 import yaml
 
-from ..config import ConfigError, ExperimentConfig, apply_overrides, from_dict, to_dict, validate
+from ..config import (
+    ConfigError,
+    ExperimentConfig,
+    apply_overrides,
+    from_dict,
+    run_config_changes,
+    to_dict,
+    validate,
+)
 
 NAMED_PLANS: dict[str, list[str]] = {
     "baseline": [],
@@ -147,29 +155,39 @@ def mean_std(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(vals), (statistics.stdev(vals) if len(vals) > 1 else 0.0)
 
 
-def _run_configs(cfgs: list[ExperimentConfig], run: Callable[[ExperimentConfig], dict[str, Any]],
+def _run_configs(cfgs: list[ExperimentConfig], run: Callable[..., dict[str, Any]],
                  resume: bool, parallel: int) -> list[dict[str, Any]]:
     """Each config's summary: finished ones read back when ``resume``; the rest run here
-    (``run``) or in ``parallel`` subprocesses."""
+    (``run``) or in ``parallel`` subprocesses. With ``resume`` an interrupted run continues
+    from its last checkpoint (``attnlab run --resume``) instead of starting over."""
     known = {id(cfg): s for cfg in cfgs if resume and (s := _finished(cfg)) is not None}
     todo = [cfg for cfg in cfgs if id(cfg) not in known]
     if parallel > 1 and todo:
-        run_parallel(todo, parallel)
+        run_parallel(todo, parallel, resume=resume)
         known.update((id(cfg), json.loads((cfg.run_dir / "summary.json").read_text()))
                      for cfg in todo)
-    return [known[id(cfg)] if id(cfg) in known else run(cfg) for cfg in cfgs]
+    return [known[id(cfg)] if id(cfg) in known else run(cfg, resume=resume) for cfg in cfgs]
 
 
 def _finished(cfg: ExperimentConfig) -> dict[str, Any] | None:
-    """The run's summary if it finished (not interrupted), else None."""
+    """The run's summary if it finished (not interrupted), else None. A finished run whose
+    saved config differs from ``cfg`` (other than its name and folder) is an error: its
+    result would be reported under settings it did not use."""
     done = cfg.run_dir / "summary.json"
     if not done.exists():
         return None
     summary = json.loads(done.read_text())
-    return None if summary.get("interrupted") else summary
+    if summary.get("interrupted"):
+        return None
+    if changes := run_config_changes(cfg.run_dir, cfg):
+        raise ConfigError(
+            f"--resume: {cfg.run_dir} finished under another config (" + "; ".join(changes)
+            + "). Use another name or output_dir for the new settings, or delete that run.")
+    return summary
 
 
-def run_parallel(cfgs: list[ExperimentConfig], workers: int) -> None:
+def run_parallel(cfgs: list[ExperimentConfig], workers: int, resume: bool = False
+                 ) -> None:
     """Run each config as ``python -m attnlab.cli run`` in its own process, ``workers`` at a
     time; log to ``<run_dir>.log``. On a machine with several GPUs the runs are spread over
     them (CUDA_VISIBLE_DEVICES); CPU threads are shared out (OMP_NUM_THREADS, unless set).
@@ -198,9 +216,10 @@ def run_parallel(cfgs: list[ExperimentConfig], workers: int) -> None:
         if gpus > 1:
             env["CUDA_VISIBLE_DEVICES"] = str(i % gpus)
         log = cfg.run_dir.parent / f"{cfg.name}.log"
-        with open(log, "w") as f:
-            rc = subprocess.call([sys.executable, "-m", "attnlab.cli", "run", str(cfg_file)],
-                                 stdout=f, stderr=subprocess.STDOUT, env=env)
+        with open(log, "a" if resume else "w") as f:  # a resumed run keeps its log
+            cmd = [sys.executable, "-m", "attnlab.cli", "run", str(cfg_file)]
+            rc = subprocess.call(cmd + ["--resume"] * resume, stdout=f,
+                                 stderr=subprocess.STDOUT, env=env)
         cfg_file.unlink(missing_ok=True)
         return log, rc
 

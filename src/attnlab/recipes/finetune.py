@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from ..config import ExperimentConfig, resolved_yaml
-from ..train.checkpoint import write_json_atomic
+from ..config import ConfigError, ExperimentConfig, resolved_yaml, run_config_changes
+from ..train.checkpoint import list_checkpoints, write_json_atomic
 from ..train.loop import LoopParts, fit
 
 AUTO_CLASSES = {
@@ -122,6 +122,19 @@ def eval_splits_of(cfg: ExperimentConfig, task) -> tuple[str, ...]:
     return (cfg.task.eval_split,) if cfg.task.eval_split else tuple(task.eval_splits)
 
 
+def check_resumable(run_dir: Path, cfg: ExperimentConfig) -> None:
+    """Refuse to continue checkpoints written under another config: the result would be
+    neither run. (No checkpoint: nothing to continue, the run starts fresh.)"""
+    if not (list_checkpoints(run_dir) or list_checkpoints(run_dir / "masked")):
+        return
+    changes = run_config_changes(run_dir, cfg)
+    if changes:
+        raise ConfigError(
+            f"cannot resume {run_dir}: its checkpoints were written under another config ("
+            + "; ".join(changes) + "). Give the run another name or output_dir, or delete "
+            f"{run_dir} to start it again.")
+
+
 def run_experiment(cfg: ExperimentConfig, resume: bool = False,
                    stop_after: int | None = None) -> dict[str, Any]:
     """Train and evaluate ``cfg``; returns (and writes) the run summary."""
@@ -138,6 +151,8 @@ def run_experiment(cfg: ExperimentConfig, resume: bool = False,
     accelerator = Accelerator(mixed_precision=cfg.train.mixed_precision,
                               cpu=not torch.cuda.is_available())
     run_dir = cfg.run_dir
+    if resume:
+        check_resumable(run_dir, cfg)
     if accelerator.is_main_process:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(resolved_yaml(cfg))
