@@ -85,6 +85,49 @@ class DiffPruneConfig(TunerConfig):
             raise ValueError("need gamma < 0 < 1 < zeta for the stretched gate")
 
 
+class _NoisyDiff(torch.autograd.Function):
+    """theta_0 + clamp(sigmoid((noise + log_alpha) / beta) * (zeta - gamma) + gamma, 0, 1) * w
+    in a few fused passes, with the gradient written out (w, log_alpha; theta_0 is frozen).
+
+    The training-time gate touches every backbone entry twice per step; written as separate
+    autograd ops it took about two thirds of a CPU step (profiled). ``_reference_noisy_diff``
+    is the plain autograd form it is tested against (forward and gradients, fp32 1e-6).
+    """
+
+    @staticmethod
+    def forward(ctx, theta0, w, log_alpha, noise, beta: float, gamma: float, zeta: float):
+        # noise: logistic noise logit(u), u ~ U(eps, 1 - eps); a fresh tensor we may reuse
+        s = noise.add_(log_alpha).div_(beta).sigmoid_()  # [shape of theta0]
+        stretched = s.mul(zeta - gamma).add_(gamma)
+        z = stretched.clamp(0.0, 1.0)
+        cut = stretched != z  # torch.clamp passes the gradient where lo <= x <= hi
+        ctx.save_for_backward(w, s, z, cut)
+        ctx.scale = (zeta - gamma) / beta
+        return torch.addcmul(theta0, z, w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        w, s, z, cut = ctx.saved_tensors
+        grad_w = grad * z if ctx.needs_input_grad[1] else None
+        grad_la = None
+        if ctx.needs_input_grad[2]:  # d z / d log_alpha = scale * s (1 - s) where not cut
+            grad_la = torch.ops.aten.sigmoid_backward(grad * w, s)
+            grad_la.mul_(ctx.scale).masked_fill_(cut, 0.0)
+        grad_theta0 = grad if ctx.needs_input_grad[0] else None
+        return grad_theta0, grad_w, grad_la, None, None, None, None
+
+
+def _reference_noisy_diff(theta0, w, log_alpha, noise, beta, gamma, zeta):
+    """The training-time gate as plain autograd ops (the reference for ``_NoisyDiff``)."""
+    s = torch.sigmoid((noise + log_alpha) / beta)
+    return theta0 + (s * (zeta - gamma) + gamma).clamp(0.0, 1.0) * w
+
+
+def logistic_noise(like: torch.Tensor) -> torch.Tensor:
+    """log u - log(1 - u) with u ~ U(1e-6, 1 - 1e-6), shaped like ``like``."""
+    return torch.rand_like(like).clamp_(1e-6, 1.0 - 1e-6).logit_()
+
+
 class DiffParametrization(nn.Module):
     """theta_0 -> theta_0 + z * w for one parameter tensor (shape of theta_0)."""
 
@@ -101,13 +144,17 @@ class DiffParametrization(nn.Module):
         if self.fixed:
             return self.mask.to(self.w.dtype)
         if self.training:
-            u = torch.rand_like(self.log_alpha).clamp(1e-6, 1.0 - 1e-6)
-            s = torch.sigmoid((u.log() - (-u).log1p() + self.log_alpha) / self.beta)
+            noise = logistic_noise(self.log_alpha)
+            s = torch.sigmoid((noise + self.log_alpha) / self.beta)
         else:
             s = torch.sigmoid(self.log_alpha)  # u = 1/2
         return (s * (self.zeta - self.gamma) + self.gamma).clamp(0.0, 1.0)
 
     def forward(self, theta0: torch.Tensor) -> torch.Tensor:
+        if self.training and not self.fixed:
+            noise = logistic_noise(self.log_alpha)
+            return _NoisyDiff.apply(theta0, self.w, self.log_alpha, noise, self.beta,
+                                    self.gamma, self.zeta)
         return theta0 + self.gate() * self.w
 
     def expected_l0(self) -> torch.Tensor:
