@@ -55,6 +55,7 @@ class OptimConfig:
     max_grad_norm: float | None = 1.0  # gradient clipping (None = off)
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
+    fused: bool | None = None  # AdamW's fused kernel (None: on for floating params on CPU/CUDA)
 
 
 @dataclass

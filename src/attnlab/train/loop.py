@@ -49,6 +49,18 @@ class LoopParts:
     aux_loss: Callable[[torch.nn.Module], torch.Tensor | None] | None = None
 
 
+def use_fused_adamw(groups: list[dict], asked: bool | None) -> bool | None:
+    """``optim.fused``, or when unset: the fused AdamW kernel wherever torch has one for
+    every parameter (CPU, CUDA; floating dtypes), as Hugging Face's Trainer defaults to. It
+    computes the same update as the per-tensor loop (tested to 1e-6), 4.6x faster on CPU
+    (0.027 vs 0.126 s per step over MiniLM's 22.7 M parameters, docs/benchmarks.md)."""
+    if asked is not None:
+        return asked
+    params = [p for g in groups for p in g["params"]]
+    ok = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
+    return True if params and ok else None
+
+
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """AdamW groups over trainable parameters: no decay on biases and LayerNorm weights."""
     decay, no_decay = [], []
@@ -117,8 +129,9 @@ def fit(cfg: ExperimentConfig, parts: LoopParts, accelerator, run_dir: Path,
     save_every = tc.save_every or eval_every
 
     model = parts.model
-    optimizer = torch.optim.AdamW(param_groups(model, oc.weight_decay), lr=oc.lr,
-                                  betas=oc.betas, eps=oc.eps)
+    groups = param_groups(model, oc.weight_decay)
+    optimizer = torch.optim.AdamW(groups, lr=oc.lr, betas=oc.betas, eps=oc.eps,
+                                  fused=use_fused_adamw(groups, oc.fused))
     warmup = int(oc.warmup_ratio * total)
     if oc.schedule == "linear":
         scheduler = get_linear_schedule_with_warmup(optimizer, warmup, total)

@@ -90,7 +90,8 @@ class _NoisyDiff(torch.autograd.Function):
     in a few fused passes, with the gradient written out (w, log_alpha; theta_0 is frozen).
 
     The training-time gate touches every backbone entry twice per step; written as separate
-    autograd ops it took about two thirds of a CPU step (profiled). ``_reference_noisy_diff``
+    autograd ops it took about two thirds of a CPU step (profiled); fused, 1.8x faster
+    (docs/benchmarks.md). ``_reference_noisy_diff``
     is the plain autograd form it is tested against (forward and gradients, fp32 1e-6).
     """
 
