@@ -57,3 +57,39 @@ def test_table_shows_spread_only_with_several_seeds():
     assert "| 0.3100 |" in to_markdown([row]) and "±" not in to_markdown([row]).split("\n")[2]
     many = {**row, "seeds": 3, "std": 0.02}
     assert "| 0.3100 ± 0.0200 |" in to_markdown([many])
+
+
+def test_collect_matrix_rows_by_tasks(tmp_path):
+    """--matrix: ROW@TASK labels, a metric per task (MCC for CoLA, F1 for MRPC)."""
+    _compare(tmp_path, "cola", "optim.lr=1e-3", "--vary", "tuning.method=bitfit,pasta")
+    # a second "task" with another metric: the same runs re-labelled (tests have no offline
+    # pair-task data), reporting accuracy instead of MCC
+    for m in ("bitfit", "pasta"):
+        for seed in (0, 1):
+            src = tmp_path / "cola" / m / f"seed-{seed}"
+            dst = tmp_path / "cola2" / m / f"seed-{seed}"
+            dst.mkdir(parents=True)
+            summary = json.loads((src / "summary.json").read_text())
+            summary["main_metric"] = "accuracy"
+            summary["best_metric"] = summary["best_eval"]["accuracy"]
+            (dst / "summary.json").write_text(json.dumps(summary))
+            (dst / "config.yaml").write_text((src / "config.yaml").read_text())
+    out = tmp_path / "m"
+    items = [f"{m}@{t}={tmp_path / t / m}" for m in ("bitfit", "pasta") for t in ("cola", "cola2")]
+    res = runner.invoke(app, ["collect", "--matrix", *items[:3], "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    md = (out / "matrix.md").read_text().splitlines()
+    assert md[0] == "| | cola (mcc) | cola2 (accuracy) | trained params (% backbone) |"
+    rows = {r["variant"]: r for r in json.loads((out / "comparison.json").read_text())}
+    bitfit = rows["bitfit@cola"]
+    want = f"{bitfit['mean']:.4f} ± {bitfit['std']:.4f}"
+    assert md[2].startswith(f"| bitfit | {want} |")
+    assert md[3].startswith("| pasta | ") and " | - | " in md[3]  # a missing cell
+    assert f"{rows['pasta@cola']['percent_of_backbone']:.3f}%" in md[3]
+    assert (out / "matrix.png").is_file() and not (out / "comparison.png").exists()
+    # without --matrix two metrics are refused; with it, labels must be ROW@TASK
+    res = runner.invoke(app, ["collect", *items, "--out", str(out)])
+    assert res.exit_code == 2 and "--matrix" in " ".join(res.output.split())
+    res = runner.invoke(app, ["collect", "--matrix", str(tmp_path / "cola" / "pasta"),
+                              "--out", str(out)])
+    assert res.exit_code == 2 and "ROW@COLUMN=PATH" in " ".join(res.output.split())

@@ -253,6 +253,9 @@ def collect(
     out: Annotated[Path, typer.Option(help="Folder for comparison.{md,csv,json,png}.")],
     show: Annotated[list[str] | None, typer.Option(
         help="Config key to add as a column, e.g. optim.lr (repeatable).")] = None,
+    matrix: Annotated[bool, typer.Option(
+        help="Labels are ROW@TASK (pasta@cola=PATH): also a rows x tasks table, matrix.md, "
+             "and one plot panel per task, matrix.png.")] = False,
 ) -> None:
     """One table from runs of several `attnlab compare` calls (e.g. each tuner at its own lr)."""
     from .config import ConfigError
@@ -260,12 +263,14 @@ def collect(
     from .recipes.collect import write_collected
 
     try:
-        rows = collect_rows(runs, show)
-        write_collected(rows, out, show)
+        rows = collect_rows(runs, show, matrix=matrix)
+        write_collected(rows, out, show, matrix=matrix)
     except ConfigError as e:
         _fail(str(e))
-    console.print((out / "comparison.md").read_text(), markup=False)
-    console.print(f"saved {out}/comparison.md, comparison.csv, comparison.json, comparison.png")
+    main = "matrix" if matrix else "comparison"
+    console.print((out / f"{main}.md").read_text(), markup=False)
+    extra = "matrix.md, matrix.png" if matrix else "comparison.png"
+    console.print(f"saved {out}/comparison.md, comparison.csv, comparison.json, {extra}")
 
 
 @app.command()

@@ -12,6 +12,13 @@ giving one row, or a ``compare`` output folder giving one row per variant folder
 Rows are recomputed from the run summaries (mean ± std over the seeds found); ``--show KEY``
 adds a column with a config value (from the first seed's ``config.yaml``). Writes
 ``comparison.{md,csv,json,png}`` under ``--out`` like ``compare`` does.
+
+``--matrix`` makes the tables of the papers, methods x tasks: each label is ``ROW@TASK`` and
+names one variant folder; each task keeps its own metric; ``matrix.md`` has mean ± std per
+cell and each row's trained share of the backbone, ``matrix.png`` one panel per task::
+
+    attnlab collect --matrix pasta@cola=runs/cola-pasta/1e-2 pasta@mrpc=runs/mrpc-pasta/1e-2 \\
+        lora@cola=runs/cola-lora/2e-3 lora@mrpc=runs/mrpc-lora/2e-3 --out runs/tuners
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from typing import Any
 import yaml
 
 from ..config import ConfigError
-from .compare import bar_plot, summarise, to_csv, to_markdown
+from .compare import bar_plot, mean_std_text, summarise, to_csv, to_markdown
 
 
 def _seeds(folder: Path) -> list[Path]:
@@ -66,14 +73,30 @@ def _split_item(item: str) -> tuple[str, Path]:
     return item[:cuts[0]], Path(item[cuts[0] + 1:])
 
 
-def collect(items: list[str], show: list[str] | None = None) -> list[dict[str, Any]]:
-    """Rows for ``[LABEL=]PATH`` items, in the order given."""
+def cell_of(label: str) -> tuple[str, str]:
+    """``ROW@COLUMN`` (e.g. ``pasta@cola``) -> (row, column) of ``--matrix``."""
+    row, sep, col = label.rpartition("@")
+    if not (sep and row and col):
+        raise ConfigError(f"--matrix: label {label!r} must be ROW@COLUMN=PATH, e.g. "
+                          "pasta@cola=runs/cola-pasta/1e-3 (one variant folder per cell)")
+    return row, col
+
+
+def collect(items: list[str], show: list[str] | None = None, matrix: bool = False
+            ) -> list[dict[str, Any]]:
+    """Rows for ``[LABEL=]PATH`` items, in the order given. ``matrix``: every item is
+    ``ROW@COLUMN=PATH`` of one variant folder, and each column (task) has its own metric."""
     show = show or []
     rows = []
     for item in items:
         label, path = _split_item(item)
         if not path.is_dir():
             raise ConfigError(f"{path}: no such folder (give a compare output or variant folder)")
+        if matrix:
+            cell_of(label)
+            if not _seeds(path):
+                raise ConfigError(f"--matrix: {path} is not a variant folder (seed-*/summary"
+                                  ".json inside); give one per ROW@COLUMN cell")
         if _seeds(path):
             rows.append(_row(label or f"{path.parent.name}/{path.name}", path, show))
             continue
@@ -83,16 +106,78 @@ def collect(items: list[str], show: list[str] | None = None) -> list[dict[str, A
                               "compare output folder with variant folders")
         for v in variants:
             rows.append(_row(f"{label or path.name}/{v.name}", v, show))
-    metrics = {r["metric"] for r in rows}
-    if len(metrics) > 1:
-        raise ConfigError(f"the runs report different metrics {sorted(metrics)}: collect runs "
-                          "of one task")
+    by_column: dict[str, set[str]] = {}
+    for r in rows:
+        by_column.setdefault(cell_of(r["variant"])[1] if matrix else "", set()).add(r["metric"])
+    for col, metrics in by_column.items():
+        if len(metrics) > 1:
+            where = f"column {col!r}" if matrix else "the runs"
+            raise ConfigError(f"{where} report different metrics {sorted(metrics)}: collect "
+                              "runs of one task" + ("" if matrix else
+                                                    " (or use --matrix ROW@TASK=PATH)"))
     return rows
 
 
-def write_collected(rows: list[dict[str, Any]], out: Path, show: list[str] | None = None
-                    ) -> Path:
-    """comparison.{md,csv,json,png} under ``out`` (atomic writes)."""
+def to_matrix_markdown(rows: list[dict[str, Any]]) -> str:
+    """Rows x columns of ``ROW@COLUMN`` labels: mean ± std per cell (``(n=k)`` where a cell
+    has another seed count than most), and each row's trained share of the backbone."""
+    from collections import Counter
+
+    cells = {cell_of(r["variant"]): r for r in rows}
+    names = list(dict.fromkeys(k[0] for k in cells))
+    cols = list(dict.fromkeys(k[1] for k in cells))
+    usual = Counter(r["seeds"] for r in rows).most_common(1)[0][0]
+    metric = {c: next(r["metric"] for (_, cc), r in cells.items() if cc == c) for c in cols}
+    lines = ["| | " + " | ".join(f"{c} ({metric[c]})" for c in cols)
+             + " | trained params (% backbone) |", "|---" * (len(cols) + 2) + "|"]
+    for name in names:
+        texts, shares = [], []
+        for c in cols:
+            r = cells.get((name, c))
+            if r is None:
+                texts.append("-")
+                continue
+            n = "" if r["seeds"] == usual else f" (n={r['seeds']})"
+            texts.append(mean_std_text(r) + n)
+            shares.append(r["percent_of_backbone"])
+        share = f"{min(shares):.3f}%" if max(shares) - min(shares) < 5e-4 else (
+            f"{min(shares):.3f}-{max(shares):.3f}%")
+        lines.append(f"| {name} | " + " | ".join(texts) + f" | {share} |")
+    return "\n".join(lines) + "\n"
+
+
+def matrix_plot(rows: list[dict[str, Any]]):
+    """One panel per column (task): each row's mean ± std as a bar, seeds as dots."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = {cell_of(r["variant"]): r for r in rows}
+    names = list(dict.fromkeys(k[0] for k in cells))
+    cols = list(dict.fromkeys(k[1] for k in cells))
+    fig, axes = plt.subplots(1, len(cols), figsize=(max(4, 0.45 * len(names) + 1.5) * len(cols),
+                                                     3.5), squeeze=False)
+    for ax, c in zip(axes[0], cols, strict=True):
+        here = [(i, cells[(n, c)]) for i, n in enumerate(names) if (n, c) in cells]
+        ax.bar([i for i, _ in here], [r["mean"] for _, r in here], color="#4C72B0", alpha=0.85)
+        for i, r in here:
+            if r["seeds"] > 1:
+                ax.errorbar([i], [r["mean"]], yerr=[r["std"]], color="black", capsize=3)
+            ax.plot([i] * len(r["values"]), r["values"], "o", color="black", ms=3)
+        ax.set_xticks(range(len(names)), names, rotation=45, ha="right")
+        ax.set_title(c)
+        ax.set_ylabel(here[0][1]["metric"])
+    fig.tight_layout()
+    return fig
+
+
+def write_collected(rows: list[dict[str, Any]], out: Path, show: list[str] | None = None,
+                    matrix: bool = False) -> Path:
+    """comparison.{md,csv,json,png} under ``out`` (atomic writes); with ``matrix`` also
+    matrix.md and matrix.png (rows x columns)."""
+    import matplotlib.pyplot as plt
+
     from ..train.checkpoint import write_json_atomic
 
     out.mkdir(parents=True, exist_ok=True)
@@ -104,13 +189,20 @@ def write_collected(rows: list[dict[str, Any]], out: Path, show: list[str] | Non
         for i, r in enumerate(rows, start=2):
             lines[i] += "".join(f" {r[k]} |" for k in show)
         md = "\n".join(lines) + "\n"
-    for name, text in (("comparison.md", md), ("comparison.csv", to_csv(rows))):
+    texts = [("comparison.md", md), ("comparison.csv", to_csv(rows))]
+    if matrix:  # one bar chart over several metrics would mislead: one panel per task
+        texts.append(("matrix.md", to_matrix_markdown(rows)))
+        figs = [("matrix.png", matrix_plot(rows))]
+    else:
+        figs = [("comparison.png", bar_plot(rows))]
+    for name, text in texts:
         tmp = out / f".{name}.tmp"
         tmp.write_text(text)
         tmp.replace(out / name)
     write_json_atomic(out / "comparison.json", rows)
-    fig = bar_plot(rows)
-    tmp_png = out / ".comparison.png.tmp.png"
-    fig.savefig(tmp_png, dpi=120)
-    tmp_png.replace(out / "comparison.png")
+    for name, fig in figs:
+        tmp_png = out / f".{name}.tmp.png"
+        fig.savefig(tmp_png, dpi=120)
+        tmp_png.replace(out / name)
+        plt.close(fig)
     return out

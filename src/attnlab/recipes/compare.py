@@ -260,14 +260,14 @@ def to_markdown(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         lines.append(
             f"| {r['variant']}{' (selected)' if r.get('selected') else ''} | {r['metric']} | "
-            f"{_mean_std_text(r)} | "
+            f"{mean_std_text(r)} | "
             f"{r['seeds']} | {r['trainable_without_head']:,} ({r['percent_of_backbone']:.3f}%) | "
             f"{r['sec_per_step']:.3f} | {r['peak_rss_mb']:.0f} |"
         )
     return "\n".join(lines) + "\n"
 
 
-def _mean_std_text(row: dict[str, Any]) -> str:
+def mean_std_text(row: dict[str, Any]) -> str:
     """``0.3171 ± 0.0422``; one seed has no spread, so just its value."""
     if row["seeds"] > 1:
         return f"{row['mean']:.4f} ± {row['std']:.4f}"
