@@ -93,3 +93,6 @@ def test_collect_matrix_rows_by_tasks(tmp_path):
     res = runner.invoke(app, ["collect", "--matrix", str(tmp_path / "cola" / "pasta"),
                               "--out", str(out)])
     assert res.exit_code == 2 and "ROW@COLUMN=PATH" in " ".join(res.output.split())
+    res = runner.invoke(app, ["collect", "--matrix", items[0], items[0], "--out", str(out)])
+    assert res.exit_code == 2 and "bitfit@cola given more than once" in " ".join(
+        res.output.split())

@@ -106,6 +106,11 @@ def collect(items: list[str], show: list[str] | None = None, matrix: bool = Fals
                               "compare output folder with variant folders")
         for v in variants:
             rows.append(_row(f"{label or path.name}/{v.name}", v, show))
+    if matrix and len({r["variant"] for r in rows}) < len(rows):
+        twice = sorted({r["variant"] for r in rows if [x["variant"] for x in rows].count(
+            r["variant"]) > 1})
+        raise ConfigError(f"--matrix: {', '.join(twice)} given more than once (one folder "
+                          "per ROW@COLUMN cell)")
     by_column: dict[str, set[str]] = {}
     for r in rows:
         by_column.setdefault(cell_of(r["variant"])[1] if matrix else "", set()).add(r["metric"])
@@ -176,8 +181,6 @@ def write_collected(rows: list[dict[str, Any]], out: Path, show: list[str] | Non
                     matrix: bool = False) -> Path:
     """comparison.{md,csv,json,png} under ``out`` (atomic writes); with ``matrix`` also
     matrix.md and matrix.png (rows x columns)."""
-    import matplotlib.pyplot as plt
-
     from ..train.checkpoint import write_json_atomic
 
     out.mkdir(parents=True, exist_ok=True)
@@ -200,6 +203,8 @@ def write_collected(rows: list[dict[str, Any]], out: Path, show: list[str] | Non
         tmp.write_text(text)
         tmp.replace(out / name)
     write_json_atomic(out / "comparison.json", rows)
+    import matplotlib.pyplot as plt  # after the figures chose the Agg backend
+
     for name, fig in figs:
         tmp_png = out / f".{name}.tmp.png"
         fig.savefig(tmp_png, dpi=120)
