@@ -78,3 +78,21 @@ def test_masked_epochs_train_only_the_kept_entries_and_resume(tmp_path):
 def test_mask_epochs_must_not_be_negative(tmp_path):
     with pytest.raises(Exception, match="mask_epochs"):
         _dp(tmp_path, "neg", -1)
+
+
+def test_masked_epochs_use_mask_lr(tmp_path):
+    """diff_prune(mask_lr=...) sets the fixed-mask epochs' peak lr (official: 5e-5 after
+    1e-5); without it they use optim.lr."""
+    def first_masked_lr(name, spec):
+        cfg = load_config(None, BASE + [f"name={name}", f"output_dir={tmp_path}",
+                                        "train.log_every=1", "optim.warmup_ratio=0",
+                                        f"tuning.method={spec}"])
+        run_experiment(cfg)
+        lines = (tmp_path / name / "masked" / "metrics.jsonl").read_text().splitlines()
+        first = next(json.loads(x) for x in lines if '"lr"' in x)
+        steps = sum(1 for x in lines if '"loss"' in x)  # linear decay, no warmup
+        return first["lr"] / (1 - 1 / steps)
+
+    spec = "diff_prune(target_sparsity=0.01, mask_epochs=1, mask_lr=3e-2)"
+    assert first_masked_lr("own", spec) == pytest.approx(3e-2)
+    assert first_masked_lr("run", spec.replace(", mask_lr=3e-2", "")) == pytest.approx(1e-3)

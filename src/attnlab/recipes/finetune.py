@@ -191,7 +191,7 @@ def run_experiment(cfg: ExperimentConfig, resume: bool = False,
     parts = LoopParts(model=model, train_features=train_feats, collate=collate,
                       evaluate=make_evaluator(task, splits, tok, cfg.seed, cfg.eval.batch_size),
                       main_metric=main_metric, greater_is_better=task.greater_is_better,
-                      aux_loss=aux)
+                      aux_loss=aux, param_options=getattr(tuner, "param_options", None))
     state = fit(cfg, parts, accelerator, run_dir, resume=resume, stop_after=stop_after)
     best = next((e["eval"] for e in state.evals if e["step"] == state.best_step), {})
     interrupted = stop_after is not None and state.step >= stop_after
@@ -210,6 +210,7 @@ def run_experiment(cfg: ExperimentConfig, resume: bool = False,
         if mask_epochs > 0:
             later = None if stop_after is None else max(stop_after - state.step, 0)
             masked = _masked_phase(cfg, parts, final_model, accelerator, run_dir, mask_epochs,
+                                   getattr(tcfg, "mask_lr", None),
                                    resume, later)
             interrupted = later is not None and masked.step >= later
             finalized = next((e["eval"] for e in masked.evals if e["step"] == masked.best_step),
@@ -252,14 +253,16 @@ def run_experiment(cfg: ExperimentConfig, resume: bool = False,
 
 
 def _masked_phase(cfg: ExperimentConfig, parts, model, accelerator, run_dir: Path,
-                  epochs: float, resume: bool, stop_after: int | None):
+                  epochs: float, lr: float | None, resume: bool, stop_after: int | None):
     """Diff-Prune's second stage: ``epochs`` more epochs of the pruned model with its mask
     fixed (only the kept diff entries and the head train; no L0 term), a fresh optimizer and
     schedule with the run's settings, evaluated and kept-best like the first stage. Its
-    checkpoints and metrics go to ``run_dir/masked/``, so ``--resume`` continues it."""
+    checkpoints and metrics go to ``run_dir/masked/``, so ``--resume`` continues it. ``lr``:
+    its own learning rate (None: the run's)."""
     from dataclasses import replace
 
-    cfg2 = replace(cfg, train=replace(cfg.train, epochs=epochs, max_steps=None))
+    cfg2 = replace(cfg, train=replace(cfg.train, epochs=epochs, max_steps=None),
+                   optim=replace(cfg.optim, lr=cfg.optim.lr if lr is None else lr))
     if accelerator.is_main_process:
         (run_dir / "masked").mkdir(parents=True, exist_ok=True)
     parts2 = replace(parts, model=model, aux_loss=None)

@@ -47,6 +47,8 @@ class LoopParts:
     main_metric: str
     greater_is_better: bool
     aux_loss: Callable[[torch.nn.Module], torch.Tensor | None] | None = None
+    # id(parameter) -> its own optimizer options, e.g. Diff-Prune's log_alpha {"lr": 0.1}
+    param_options: Callable[[torch.nn.Module], dict[int, dict]] | None = None
 
 
 def use_fused_adamw(groups: list[dict], asked: bool | None) -> bool | None:
@@ -61,15 +63,24 @@ def use_fused_adamw(groups: list[dict], asked: bool | None) -> bool | None:
     return True if params and ok else None
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """AdamW groups over trainable parameters: no decay on biases and LayerNorm weights."""
-    decay, no_decay = [], []
+def param_groups(model: torch.nn.Module, weight_decay: float,
+                 options: dict[int, dict] | None = None) -> list[dict]:
+    """AdamW groups over trainable parameters: no decay on biases and LayerNorm weights.
+    ``options`` (id(parameter) -> e.g. {"lr": 0.1, "weight_decay": 0.0}) puts those
+    parameters in groups of their own; the schedule scales every group's lr alike."""
+    options = options or {}
+    decay, no_decay, own = [], [], {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
+        if id(p) in options:
+            key = tuple(sorted(options[id(p)].items()))
+            own.setdefault(key, []).append(p)
+            continue
         (no_decay if any(k in name for k in NO_DECAY) else decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay},
-            {"params": no_decay, "weight_decay": 0.0}]
+            {"params": no_decay, "weight_decay": 0.0},
+            *({"params": ps, "weight_decay": 0.0, **dict(key)} for key, ps in own.items())]
 
 
 def epoch_batches(n: int, batch_size: int, seed: int, epoch: int, rank: int,
@@ -129,7 +140,8 @@ def fit(cfg: ExperimentConfig, parts: LoopParts, accelerator, run_dir: Path,
     save_every = tc.save_every or eval_every
 
     model = parts.model
-    groups = param_groups(model, oc.weight_decay)
+    groups = param_groups(model, oc.weight_decay,
+                          parts.param_options(model) if parts.param_options else None)
     optimizer = torch.optim.AdamW(groups, lr=oc.lr, betas=oc.betas, eps=oc.eps,
                                   fused=use_fused_adamw(groups, oc.fused))
     warmup = int(oc.warmup_ratio * total)

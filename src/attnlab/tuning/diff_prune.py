@@ -28,9 +28,11 @@ on each access and the modelling code is untouched.
 
 Defaults follow the task brief's Louizos constants (beta 2/3, gamma -0.1, zeta 1.1). The
 official scripts instead use beta 1, gamma -1.5, zeta 1.5, log_alpha init 5, lambda
-1.25e-7, lr 1e-5 for 3 epochs, then 3 epochs with the mask fixed:
-``diff_prune(beta=1.0, gamma=-1.5, zeta=1.5)`` reproduces that gate. Not implemented: the
-paper's structured (group) penalty.
+1.25e-7, lr 1e-5 for 3 epochs with log_alpha in its own AdamW at lr 0.1 (``alpha_lr``, the
+default here too), then 3 epochs with the mask fixed at their script's default lr 5e-5
+(``mask_lr``): ``diff_prune(beta=1.0, gamma=-1.5, zeta=1.5, mask_lr=5e-5)`` with
+``optim.lr=1e-5`` reproduces that recipe. Not implemented: the paper's structured (group)
+penalty.
 """
 
 from __future__ import annotations
@@ -73,12 +75,18 @@ class DiffPruneConfig(TunerConfig):
     gamma: float = -0.1  # gamma: lower end of the stretched interval (< 0)
     zeta: float = 1.1  # zeta: upper end of the stretched interval (> 1)
     mask_epochs: float = 3.0  # epochs trained after pruning with the mask fixed (official: 3)
+    alpha_lr: float | None = 0.1  # log_alpha's own AdamW lr (official: 0.1; None: optim.lr)
+    mask_lr: float | None = None  # lr of the fixed-mask epochs (None: optim.lr; official: 5e-5)
 
     def __post_init__(self) -> None:
         if not 0.0 < self.target_sparsity <= 1.0:
             raise ValueError("target_sparsity must be in (0, 1]")
         if self.beta <= 0:
             raise ValueError("beta must be > 0")
+        if self.alpha_lr is not None and self.alpha_lr <= 0:
+            raise ValueError("alpha_lr must be > 0 (or None: log_alpha at optim.lr)")
+        if self.mask_lr is not None and self.mask_lr <= 0:
+            raise ValueError("mask_lr must be > 0 (or None: the fixed-mask epochs at optim.lr)")
         if self.mask_epochs < 0:
             raise ValueError("mask_epochs must be >= 0 (0: prune and stop, no masked epochs)")
         if not (self.gamma < 0.0 and self.zeta > 1.0):
@@ -223,6 +231,15 @@ class DiffPruneTuner:
 
     def trainable_parameters(self, model: nn.Module) -> list[tuple[str, nn.Parameter]]:
         return requires_grad_parameters(model)
+
+    def param_options(self, model: nn.Module) -> dict[int, dict]:
+        """log_alpha trains at its own lr (``alpha_lr``, no weight decay), as the official
+        scripts' separate ``AdamW(alpha_params, lr=0.1)`` does; at the diff's lr (1e-5)
+        Adam moves log_alpha by about 1e-5 per step and the L0 term cannot close a gate."""
+        gates = [g for g in diff_modules(model).values() if not g.fixed]
+        if not gates or gates[0].cfg.alpha_lr is None:
+            return {}
+        return {id(g.log_alpha): {"lr": g.cfg.alpha_lr, "weight_decay": 0.0} for g in gates}
 
     def aux_loss(self, model: nn.Module) -> torch.Tensor | None:
         gates = [g for g in diff_modules(model).values() if not g.fixed]
