@@ -99,9 +99,8 @@ class _NoisyDiff(torch.autograd.Function):
 
     The training-time gate touches every backbone entry twice per step; written as separate
     autograd ops it took about two thirds of a CPU step (profiled); fused, 1.8x faster
-    (docs/benchmarks.md). ``_reference_noisy_diff``
-    is the plain autograd form it is tested against (forward and gradients, fp32 1e-6).
-    """
+    (docs/benchmarks.md). ``_reference_noisy_diff`` is the plain autograd form it is tested
+    against (forward and gradients, fp32 1e-6)."""
 
     @staticmethod
     def forward(ctx, theta0, w, log_alpha, noise, beta: float, gamma: float, zeta: float):
@@ -150,13 +149,11 @@ class DiffParametrization(nn.Module):
         self.register_buffer("mask", None)  # bool, shape of w, once fixed
 
     def gate(self) -> torch.Tensor:
+        """The deterministic gate: the fixed mask, or the test-time estimate (u = 1/2).
+        Training samples a noisy gate inside ``_NoisyDiff`` instead."""
         if self.fixed:
             return self.mask.to(self.w.dtype)
-        if self.training:
-            noise = logistic_noise(self.log_alpha)
-            s = torch.sigmoid((noise + self.log_alpha) / self.beta)
-        else:
-            s = torch.sigmoid(self.log_alpha)  # u = 1/2
+        s = torch.sigmoid(self.log_alpha)
         return (s * (self.zeta - self.gamma) + self.gamma).clamp(0.0, 1.0)
 
     def forward(self, theta0: torch.Tensor) -> torch.Tensor:
@@ -171,12 +168,7 @@ class DiffParametrization(nn.Module):
         return torch.sigmoid(self.log_alpha - shift).sum()
 
     def deterministic_diff(self) -> torch.Tensor:
-        was = self.training
-        self.train(False)
-        try:
-            return (self.gate() * self.w).detach()
-        finally:
-            self.train(was)
+        return (self.gate() * self.w).detach()
 
     def fix(self, mask: torch.Tensor, values: torch.Tensor) -> None:
         """Freeze the gate to ``mask`` (bool, shape of w) and set w to ``values``."""
