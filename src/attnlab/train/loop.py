@@ -84,10 +84,23 @@ def param_groups(model: torch.nn.Module, weight_decay: float,
 
 
 def epoch_batches(n: int, batch_size: int, seed: int, epoch: int, rank: int,
-                  world: int) -> list[list[int]]:
-    """This process's micro-batches of epoch ``epoch``: a (seed, epoch) permutation, sharded."""
+                  world: int, lengths: Sequence[int] | None = None) -> list[list[int]]:
+    """This process's micro-batches of epoch ``epoch``: a (seed, epoch) permutation, sharded.
+
+    lengths (one per example): group examples of similar length into the same batch, by
+    Hugging Face's ``get_length_grouped_indices`` (a seeded permutation cut into megabatches
+    of 50 global batches, each sorted by length, the longest batch first); rank r takes
+    every world-th index, so every process's batch k is cut from the same sorted run.
+    """
     g = torch.Generator().manual_seed(seed * 100_003 + epoch)
-    perm = torch.randperm(n, generator=g).tolist()
+    if lengths is None:
+        perm = torch.randperm(n, generator=g).tolist()
+    else:
+        from transformers.trainer_pt_utils import get_length_grouped_indices
+
+        if len(lengths) != n:
+            raise ValueError(f"{len(lengths)} lengths for {n} examples")
+        perm = get_length_grouped_indices(list(lengths), batch_size * world, generator=g)
     perm = perm[: len(perm) - len(perm) % world] if world > 1 else perm
     mine = perm[rank::world]
     return [mine[i : i + batch_size] for i in range(0, len(mine), batch_size)]
@@ -130,8 +143,10 @@ def fit(cfg: ExperimentConfig, parts: LoopParts, accelerator, run_dir: Path,
 
     tc, oc = cfg.train, cfg.optim
     rank, world = accelerator.process_index, accelerator.num_processes
+    lengths = ([len(f["input_ids"]) for f in parts.train_features] if tc.group_by_length
+               else None)
     n_batches = len(epoch_batches(len(parts.train_features), tc.batch_size, cfg.seed, 0, rank,
-                                  world))
+                                  world, lengths))
     if n_batches == 0:
         raise ValueError("the training set is empty (check task.train_limit / train_fraction)")
     steps_per_epoch = math.ceil(n_batches / tc.grad_accum)
@@ -171,7 +186,7 @@ def fit(cfg: ExperimentConfig, parts: LoopParts, accelerator, run_dir: Path,
     running, t_start, stop = 0.0, time.perf_counter(), False
     while state.step < total and not stop:
         batches = epoch_batches(len(parts.train_features), tc.batch_size, cfg.seed,
-                                state.epoch, rank, world)
+                                state.epoch, rank, world, lengths)
         for bi in range(state.batch_in_epoch, len(batches)):
             batch = parts.collate([parts.train_features[i] for i in batches[bi]])
             batch = {k: v.to(accelerator.device) for k, v in batch.items()}
