@@ -16,6 +16,7 @@ value has a top-level comma (``--vary 'plan=baseline|0,1,4,5:0,2,4,6,8,10:jat(rh
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import itertools
 import json
@@ -124,11 +125,20 @@ class Variant:
     cfg: ExperimentConfig
 
 
+def variant_folder(label: str) -> str:
+    """A variant's folder name: ``jat(rho=4.5)`` -> ``jat_rho=4.5``; labels over 80 characters
+    keep 71 and a hash of the whole label, so two long labels never share a folder."""
+    slug = "".join(c if c.isalnum() or c in "-_.=" else "_" for c in label).strip("_") or "_"
+    if len(slug) > 80:
+        slug = f"{slug[:71]}-{hashlib.sha1(label.encode()).hexdigest()[:8]}"
+    return slug
+
+
 def expand(base: ExperimentConfig, vary: list[tuple[str, list[str]]], seeds: int
            ) -> list[tuple[str, list[ExperimentConfig]]]:
     """One (label, [config per seed]) per combination of varied values."""
     combos = list(itertools.product(*[vals for _, vals in vary])) if vary else [()]
-    out = []
+    out, seen = [], {}
     for combo in combos:
         data = to_dict(base)
         label_parts = []
@@ -139,7 +149,11 @@ def expand(base: ExperimentConfig, vary: list[tuple[str, list[str]]], seeds: int
                 data = apply_overrides(data, [f"{key}={value}"])
             label_parts.append(value if len(vary) == 1 else f"{key.split('.')[-1]}={value}")
         label = ",".join(label_parts) or "base"
-        slug = "".join(c if c.isalnum() or c in "-_.=" else "_" for c in label)[:80]
+        slug = variant_folder(label)
+        if slug in seen:
+            raise ConfigError(f"variants {seen[slug]!r} and {label!r} would share the folder "
+                             f"{slug!r}: make the --vary values differ in letters or digits")
+        seen[slug] = label
         cfg = from_dict(ExperimentConfig, data)
         validate(cfg)
         root = Path(base.output_dir) / base.name / slug
