@@ -25,7 +25,7 @@ def test_collect_rows_from_variant_and_compare_folders(tmp_path):
                               str(tmp_path / "b"), "--show", "optim.lr", "--out", str(out)])
     assert res.exit_code == 0, res.output
     rows = json.loads((out / "comparison.json").read_text())
-    assert [r["variant"] for r in rows] == ["bitfit", "b/0-1_all_band_window=2_", "b/baseline"]
+    assert [r["variant"] for r in rows] == ["bitfit", "b/0-1_all_band_window=2", "b/baseline"]
     assert [r["optim.lr"] for r in rows] == [1e-3, 1e-4, 1e-4]
     # the same numbers compare wrote for its own table
     own = {r["variant"]: r for r in json.loads((tmp_path / "b" / "comparison.json").read_text())}
@@ -33,11 +33,11 @@ def test_collect_rows_from_variant_and_compare_folders(tmp_path):
     assert "| optim.lr |" in (out / "comparison.md").read_text()
     assert (out / "comparison.png").is_file()
     # compare's variant folders contain '=': with or without a label, the path is kept whole
-    band = tmp_path / "b" / "0-1_all_band_window=2_"
+    band = tmp_path / "b" / "0-1_all_band_window=2"
     res = runner.invoke(app, ["collect", str(band), f"w=2={band}", "--out", str(out)])
     assert res.exit_code == 0, res.output
     rows = json.loads((out / "comparison.json").read_text())
-    assert [r["variant"] for r in rows] == ["b/0-1_all_band_window=2_", "w=2"]
+    assert [r["variant"] for r in rows] == ["b/0-1_all_band_window=2", "w=2"]
 
 
 def test_collect_errors_name_the_problem(tmp_path):

@@ -28,3 +28,30 @@ def test_expand_refuses_two_variants_in_one_folder(tmp_path):
     folders = [runs[0].output_dir for _, runs in
                expand(base, [("plan", ["jat(rho=4.5)", "jat(rho=5.0)"])], seeds=1)]
     assert [f.rsplit("/", 1)[-1] for f in folders] == ["jat_rho=4.5", "jat_rho=5.0"]
+
+
+def _row(variant, mean):
+    return {"variant": variant, "mean": mean}
+
+
+def test_best_variant_direction_nan_and_ties():
+    from attnlab.recipes.compare import best_variant
+
+    rows = [_row("a", 0.2), _row("b", float("nan")), _row("c", 0.5), _row("d", 0.1)]
+    assert best_variant(rows, True) == (2, [])
+    assert best_variant(rows, False) == (3, [])  # a loss: lower is better, NaN never wins
+    tie = [_row("1e-5", 0.0), _row("5e-5", 0.0)]
+    assert best_variant(tie, True) == (0, ["5e-5"])
+
+
+def test_table_says_when_the_selected_variant_was_a_tie():
+    from attnlab.recipes.compare import to_csv, to_markdown
+
+    row = {"variant": "1e-5", "metric": "mcc", "mean": 0.0, "std": 0.0, "seeds": 3,
+           "values": [0.0, 0.0, 0.0], "trainable_total": 10, "trainable_without_head": 8,
+           "percent_of_backbone": 1.0, "sec_per_step": 1.0, "peak_rss_mb": 1.0,
+           "selected": True, "tied_with": ["5e-5"]}
+    assert "1e-5 (selected; tied with 5e-5: first in grid order)" in to_markdown([row])
+    assert "5e-5" in to_csv([row]).splitlines()[1]
+    old = {k: v for k, v in row.items() if k != "tied_with"}  # a comparison.json from before
+    assert to_csv([old]).splitlines()[0].endswith("tied_with,values")

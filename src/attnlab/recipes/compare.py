@@ -265,6 +265,7 @@ def summarise(label: str, summaries: list[dict[str, Any]]) -> dict[str, Any]:
         "sec_per_step": statistics.fmean(x["seconds_per_step"] for x in summaries),
         "peak_rss_mb": max(x["peak_rss_mb"] for x in summaries),
         "selected": False,  # True for the variant a --best-seeds search picked
+        "tied_with": [],  # the selected variant's equals on the grid (it came first)
     }
 
 
@@ -273,12 +274,20 @@ def to_markdown(rows: list[dict[str, Any]]) -> str:
              "s/step | peak RSS MB |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
-            f"| {r['variant']}{' (selected)' if r.get('selected') else ''} | {r['metric']} | "
+            f"| {r['variant']}{_selected_note(r)} | {r['metric']} | "
             f"{mean_std_text(r)} | "
             f"{r['seeds']} | {r['trainable_without_head']:,} ({r['percent_of_backbone']:.3f}%) | "
             f"{r['sec_per_step']:.3f} | {r['peak_rss_mb']:.0f} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _selected_note(row: dict[str, Any]) -> str:
+    if not row.get("selected"):
+        return ""
+    tied = row.get("tied_with") or []
+    return f" (selected; tied with {', '.join(tied)}: first in grid order)" if tied else \
+        " (selected)"
 
 
 def mean_std_text(row: dict[str, Any]) -> str:
@@ -290,11 +299,12 @@ def mean_std_text(row: dict[str, Any]) -> str:
 
 def to_csv(rows: list[dict[str, Any]]) -> str:
     buf = io.StringIO()
-    keys = [k for k in rows[0] if k != "values"] + ["values"]
+    keys = [k for k in rows[0] if k not in ("values", "tied_with")] + ["tied_with", "values"]
     w = csv.DictWriter(buf, fieldnames=keys)
     w.writeheader()
     for r in rows:
-        w.writerow({**r, "values": yaml.safe_dump(r["values"], default_flow_style=True).strip()})
+        w.writerow({**r, "values": yaml.safe_dump(r["values"], default_flow_style=True).strip(),
+                    "tied_with": ";".join(r.get("tied_with", []))})
     return buf.getvalue()
 
 
@@ -322,6 +332,17 @@ def bar_plot(rows: list[dict[str, Any]]):
     return fig
 
 
+def best_variant(rows: list[dict[str, Any]], greater_is_better: bool
+                 ) -> tuple[int, list[str]]:
+    """The index of the row with the best mean (NaN never wins) and the variants that tie
+    with it; a tie goes to the first in grid order, and the table says so."""
+    sign = 1.0 if greater_is_better else -1.0
+    score = [sign * r["mean"] if r["mean"] == r["mean"] else float("-inf") for r in rows]
+    pick = max(range(len(rows)), key=score.__getitem__)
+    tied = [r["variant"] for i, r in enumerate(rows) if i != pick and score[i] == score[pick]]
+    return pick, tied
+
+
 def run_compare(base: ExperimentConfig, vary: list[tuple[str, list[str]]], seeds: int,
                 run: Callable[[ExperimentConfig], dict[str, Any]], resume: bool = False,
                 parallel: int = 1, best_seeds: int | None = None
@@ -342,12 +363,11 @@ def run_compare(base: ExperimentConfig, vary: list[tuple[str, list[str]]], seeds
     rows = [summarise(label, sums) for (label, _), sums in zip(variants, per_variant,
                                                                strict=True)]
     if best_seeds is not None and best_seeds > seeds:
-        sign = 1.0 if per_variant[0][0].get("greater_is_better", True) else -1.0
-        pick = max(range(len(rows)), key=lambda i: sign * rows[i]["mean"])
+        pick, tied = best_variant(rows, per_variant[0][0].get("greater_is_better", True))
         label, cfgs = variants[pick]
         extra = [replace(cfgs[0], seed=s, name=f"seed-{s}") for s in range(seeds, best_seeds)]
         sums = per_variant[pick] + _run_configs(extra, run, resume, parallel)
-        rows[pick] = {**summarise(label, sums), "selected": True}
+        rows[pick] = {**summarise(label, sums), "selected": True, "tied_with": tied}
     out = Path(base.output_dir) / base.name
     out.mkdir(parents=True, exist_ok=True)
     for name, text in (("comparison.md", to_markdown(rows)), ("comparison.csv", to_csv(rows))):
