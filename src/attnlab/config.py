@@ -68,8 +68,8 @@ class TrainConfig:
     save_every: int | None = None  # optimizer steps between checkpoints (None = at evals)
     early_stopping_patience: int | None = None  # evaluations without improvement
     keep_best: bool = True  # restore the best checkpoint (task metric) at the end
-    # batches of similar lengths (Hugging Face's group_by_length: megabatches of 50 batches
-    # sorted by length): 1.5-2.9x fewer padded tokens on GLUE, a different batch order
+    # batches of similar lengths (Hugging Face's group_by_length: megabatches of up to 50
+    # batches sorted by length): 1.5-2.9x fewer padded tokens on GLUE, a different batch order
     group_by_length: bool = False
     mixed_precision: str = "no"  # "no", "bf16", "fp16" (Accelerate)
     log_every: int = 10  # optimizer steps between metrics.jsonl lines
