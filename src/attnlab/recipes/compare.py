@@ -20,6 +20,7 @@ import hashlib
 import io
 import itertools
 import json
+import math
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -337,7 +338,7 @@ def best_variant(rows: list[dict[str, Any]], greater_is_better: bool
     """The index of the row with the best mean (NaN never wins) and the variants that tie
     with it; a tie goes to the first in grid order, and the table says so."""
     sign = 1.0 if greater_is_better else -1.0
-    score = [sign * r["mean"] if r["mean"] == r["mean"] else float("-inf") for r in rows]
+    score = [float("-inf") if math.isnan(r["mean"]) else sign * r["mean"] for r in rows]
     pick = max(range(len(rows)), key=score.__getitem__)
     tied = [r["variant"] for i, r in enumerate(rows) if i != pick and score[i] == score[pick]]
     return pick, tied

@@ -90,8 +90,8 @@ def epoch_batches(n: int, batch_size: int, seed: int, epoch: int, rank: int,
     lengths (one per example): group examples of similar length into the same batch, by
     Hugging Face's ``get_length_grouped_indices`` (a seeded permutation cut into megabatches
     of 50 global batches, fewer on small sets so there are at least 4, each sorted by
-    length, the longest batch first); rank r takes
-    every world-th index, so every process's batch k is cut from the same sorted run.
+    length, the longest batch first); rank r takes every world-th index, so every
+    process's batch k is cut from the same sorted run.
     """
     g = torch.Generator().manual_seed(seed * 100_003 + epoch)
     if lengths is None:
