@@ -226,6 +226,8 @@ def compare(
         help="A search: after the grid, run the best variant (mean dev metric) up to this "
              "many seeds, e.g. --seeds 1 --best-seeds 3."
     )] = None,
+    versus: Annotated[str | None, typer.Option(
+        help="A variant label (e.g. baseline): add each row's gap to it and Welch's p.")] = None,
 ) -> None:
     """Run variants over seeds; print and save a table (Markdown, CSV) and a bar plot."""
     from .config import ConfigError
@@ -240,7 +242,8 @@ def compare(
             raise ConfigError(f"--best-seeds {best_seeds} must be more than --seeds {seeds} "
                               "(the grid's seeds are reused)")
         rows, out = run_compare(cfg, parse_vary(vary or []), seeds, run_experiment,
-                                resume=resume, parallel=parallel, best_seeds=best_seeds)
+                                resume=resume, parallel=parallel, best_seeds=best_seeds,
+                                versus=versus)
     except ConfigError as e:
         _fail(str(e))
     console.print(to_markdown(rows), markup=False)
@@ -256,6 +259,8 @@ def collect(
     matrix: Annotated[bool, typer.Option(
         help="Labels are ROW@TASK (pasta@cola=PATH): also a rows x tasks table, matrix.md, "
              "and one plot panel per task, matrix.png.")] = False,
+    versus: Annotated[str | None, typer.Option(
+        help="A row label (e.g. full): add each row's gap to it and Welch's p.")] = None,
 ) -> None:
     """One table from runs of several `attnlab compare` calls (e.g. each tuner at its own lr)."""
     from .config import ConfigError
@@ -264,6 +269,13 @@ def collect(
 
     try:
         rows = collect_rows(runs, show, matrix=matrix)
+        if versus is not None:
+            if matrix:
+                raise ConfigError("--versus compares rows of one task; it does not apply to "
+                                  "--matrix (collect each task's rows without --matrix)")
+            from .recipes.versus import add_versus
+
+            rows = add_versus(rows, versus)
         write_collected(rows, out, show, matrix=matrix)
     except ConfigError as e:
         _fail(str(e))

@@ -271,14 +271,23 @@ def summarise(label: str, summaries: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def to_markdown(rows: list[dict[str, Any]]) -> str:
-    lines = ["| variant | metric | mean ± std | seeds | trained params (% backbone) | "
-             "s/step | peak RSS MB |", "|---|---|---|---|---|---|---|"]
+    """The table: one row per variant; with ``--versus`` (rows carry ``delta``/``p_welch``,
+    ``versus.add_versus``) two more columns, the gap to the reference and Welch's p."""
+    from .versus import versus_cells
+
+    vs = rows[0].get("versus") if rows else None
+    extra = f" Δ vs {vs} | p (Welch) |" if vs else ""
+    lines = ["| variant | metric | mean ± std | per seed | seeds | trained params (% backbone) "
+             "| s/step | peak RSS MB |" + extra, "|---|---|---|---|---|---|---|---|"
+             + ("---|---|" if vs else "")]
     for r in rows:
+        per_seed = ", ".join(f"{v:.4f}" for v in r.get("values") or [] if v is not None)
         lines.append(
             f"| {r['variant']}{_selected_note(r)} | {r['metric']} | "
-            f"{mean_std_text(r)} | "
+            f"{mean_std_text(r)} | {per_seed} | "
             f"{r['seeds']} | {r['trainable_without_head']:,} ({r['percent_of_backbone']:.3f}%) | "
             f"{r['sec_per_step']:.3f} | {r['peak_rss_mb']:.0f} |"
+            + (versus_cells(r) if vs else "")
         )
     return "\n".join(lines) + "\n"
 
@@ -346,7 +355,7 @@ def best_variant(rows: list[dict[str, Any]], greater_is_better: bool
 
 def run_compare(base: ExperimentConfig, vary: list[tuple[str, list[str]]], seeds: int,
                 run: Callable[[ExperimentConfig], dict[str, Any]], resume: bool = False,
-                parallel: int = 1, best_seeds: int | None = None
+                parallel: int = 1, best_seeds: int | None = None, versus: str | None = None
                 ) -> tuple[list[dict[str, Any]], Path]:
     """Run every variant x seed (skipping finished runs when ``resume``); write the table.
 
@@ -355,10 +364,16 @@ def run_compare(base: ExperimentConfig, vary: list[tuple[str, list[str]]], seeds
     ``best_seeds = N`` (> ``seeds``): a search. After the grid, the variant with the best mean
     dev metric (the task's direction) gets seeds ``seeds..N-1`` too; its row is marked
     ``selected``. E.g. a rho or lr grid on seed 0, then 3 seeds at the chosen point.
+    ``versus = LABEL``: every row also gets its gap to that variant and Welch's p
+    (``versus.add_versus``); the label is checked before anything runs.
     """
     from ..train.checkpoint import write_json_atomic
+    from .versus import add_versus
 
     variants = expand(base, vary, seeds)
+    if versus is not None:  # fail now, not after hours of training
+        add_versus([{"variant": label, "mean": 0.0, "values": []} for label, _ in variants],
+                   versus)
     done = iter(_run_configs([c for _, cfgs in variants for c in cfgs], run, resume, parallel))
     per_variant = [[next(done) for _ in cfgs] for _, cfgs in variants]
     rows = [summarise(label, sums) for (label, _), sums in zip(variants, per_variant,
@@ -369,6 +384,8 @@ def run_compare(base: ExperimentConfig, vary: list[tuple[str, list[str]]], seeds
         extra = [replace(cfgs[0], seed=s, name=f"seed-{s}") for s in range(seeds, best_seeds)]
         sums = per_variant[pick] + _run_configs(extra, run, resume, parallel)
         rows[pick] = {**summarise(label, sums), "selected": True, "tied_with": tied}
+    if versus is not None:
+        rows = add_versus(rows, versus)
     out = Path(base.output_dir) / base.name
     out.mkdir(parents=True, exist_ok=True)
     for name, text in (("comparison.md", to_markdown(rows)), ("comparison.csv", to_csv(rows))):
