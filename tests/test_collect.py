@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from attnlab.cli import app
@@ -96,3 +97,28 @@ def test_collect_matrix_rows_by_tasks(tmp_path):
     res = runner.invoke(app, ["collect", "--matrix", items[0], items[0], "--out", str(out)])
     assert res.exit_code == 2 and "bitfit@cola given more than once" in " ".join(
         res.output.split())
+
+
+def test_diff_prune_rows_show_what_they_kept():
+    """Diff-Prune trains every entry and keeps 0.5%: both counts in the table and matrix."""
+    from attnlab.recipes.collect import to_matrix_markdown
+    from attnlab.recipes.compare import summarise, to_markdown
+
+    def summary(trainable, effective, metric=0.3):
+        params = {"trainable_without_head": trainable, "percent_of_backbone":
+                  100.0 * trainable / 22_713_216, "trainable_total": trainable + 770,
+                  "backbone_total": 22_713_216}
+        if effective is not None:
+            params["effective_without_head"] = effective
+        return {"main_metric": "mcc", "best_metric": metric, "params": params,
+                "seconds_per_step": 1.0, "peak_rss_mb": 1.0}
+
+    dp = summarise("diff_prune@cola", [summary(22_713_216, 113_567)] * 2)
+    lora = summarise("lora@cola", [summary(73_728, None)] * 2)  # older summaries: no key
+    assert dp["effective_without_head"] == 113_567
+    assert dp["percent_effective"] == pytest.approx(100 * 113_567 / 22_713_216)
+    md = to_markdown([dp, lora])
+    assert "| 22,713,216 (100.000%); kept 113,567 (0.500%) |" in md
+    assert "| 73,728 (0.325%) |" in md
+    matrix = to_matrix_markdown([dp, lora])
+    assert "| 100.000%, kept 0.500% |" in matrix and "| 0.325% |" in matrix

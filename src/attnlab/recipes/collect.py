@@ -136,7 +136,7 @@ def to_matrix_markdown(rows: list[dict[str, Any]]) -> str:
     lines = ["| | " + " | ".join(f"{c} ({metric[c]})" for c in cols)
              + " | trained params (% backbone) |", "|---" * (len(cols) + 2) + "|"]
     for name in names:
-        texts, shares = [], []
+        texts, shares, kept = [], [], []
         for c in cols:
             r = cells.get((name, c))
             if r is None:
@@ -145,10 +145,18 @@ def to_matrix_markdown(rows: list[dict[str, Any]]) -> str:
             n = "" if r["seeds"] == usual else f" (n={r['seeds']})"
             texts.append(mean_std_text(r) + n)
             shares.append(r["percent_of_backbone"])
-        share = f"{min(shares):.3f}%" if max(shares) - min(shares) < 5e-4 else (
-            f"{min(shares):.3f}-{max(shares):.3f}%")
+            kept.append(r.get("percent_effective", r["percent_of_backbone"]))
+        share = _span(shares)
+        if kept != shares:  # Diff-Prune: trains every entry, keeps a few
+            share += f", kept {_span(kept)}"
         lines.append(f"| {name} | " + " | ".join(texts) + f" | {share} |")
     return "\n".join(lines) + "\n"
+
+
+def _span(values: list[float]) -> str:
+    """``0.020%``, or ``0.020-0.022%`` where the share differs between tasks (pairs)."""
+    lo, hi = min(values), max(values)
+    return f"{lo:.3f}%" if hi - lo < 5e-4 else f"{lo:.3f}-{hi:.3f}%"
 
 
 def matrix_plot(rows: list[dict[str, Any]]):

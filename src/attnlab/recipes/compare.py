@@ -263,6 +263,12 @@ def summarise(label: str, summaries: list[dict[str, Any]]) -> dict[str, Any]:
         "trainable_params": p["trainable_total"],
         "trainable_without_head": p["trainable_without_head"],
         "percent_of_backbone": p["percent_of_backbone"],
+        # Diff-Prune trains every entry but keeps 0.5%: what differs from the pretrained
+        # model at the end (= trainable_without_head for every other tuner)
+        "effective_without_head": p.get("effective_without_head", p["trainable_without_head"]),
+        "percent_effective": p["percent_of_backbone"] * p.get(
+            "effective_without_head", p["trainable_without_head"]) / max(
+            p["trainable_without_head"], 1),
         "sec_per_step": statistics.fmean(x["seconds_per_step"] for x in summaries),
         "peak_rss_mb": max(x["peak_rss_mb"] for x in summaries),
         "selected": False,  # True for the variant a --best-seeds search picked
@@ -285,11 +291,21 @@ def to_markdown(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {r['variant']}{_selected_note(r)} | {r['metric']} | "
             f"{mean_std_text(r)} | {per_seed} | "
-            f"{r['seeds']} | {r['trainable_without_head']:,} ({r['percent_of_backbone']:.3f}%) | "
+            f"{r['seeds']} | {params_text(r)} | "
             f"{r['sec_per_step']:.3f} | {r['peak_rss_mb']:.0f} |"
             + (versus_cells(r) if vs else "")
         )
     return "\n".join(lines) + "\n"
+
+
+def params_text(row: dict[str, Any]) -> str:
+    """``73,728 (0.325%)``; Diff-Prune adds what it kept: ``22,713,216 (100.000%); kept
+    113,567 (0.500%)``."""
+    text = f"{row['trainable_without_head']:,} ({row['percent_of_backbone']:.3f}%)"
+    kept = row.get("effective_without_head", row["trainable_without_head"])
+    if kept != row["trainable_without_head"]:
+        text += f"; kept {kept:,} ({row['percent_effective']:.3f}%)"
+    return text
 
 
 def _selected_note(row: dict[str, Any]) -> str:
