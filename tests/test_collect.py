@@ -122,3 +122,6 @@ def test_diff_prune_rows_show_what_they_kept():
     assert "| 73,728 (0.325%) |" in md
     matrix = to_matrix_markdown([dp, lora])
     assert "| 100.000%, kept 0.500% |" in matrix and "| 0.325% |" in matrix
+    # a share that is not a round float stays one share (no "kept" for non-pruning tuners)
+    prefix = summarise("prefix@cola", [summary(92_160, 92_160)] * 2)
+    assert "kept" not in to_matrix_markdown([prefix]) and "kept" not in to_markdown([prefix])

@@ -136,7 +136,7 @@ def to_matrix_markdown(rows: list[dict[str, Any]]) -> str:
     lines = ["| | " + " | ".join(f"{c} ({metric[c]})" for c in cols)
              + " | trained params (% backbone) |", "|---" * (len(cols) + 2) + "|"]
     for name in names:
-        texts, shares, kept = [], [], []
+        texts, shares, kept, pruned = [], [], [], False
         for c in cols:
             r = cells.get((name, c))
             if r is None:
@@ -146,8 +146,10 @@ def to_matrix_markdown(rows: list[dict[str, Any]]) -> str:
             texts.append(mean_std_text(r) + n)
             shares.append(r["percent_of_backbone"])
             kept.append(r.get("percent_effective", r["percent_of_backbone"]))
+            pruned |= r.get("effective_without_head", r["trainable_without_head"]) != \
+                r["trainable_without_head"]
         share = _span(shares)
-        if kept != shares:  # Diff-Prune: trains every entry, keeps a few
+        if pruned:  # Diff-Prune: trains every entry, keeps a few
             share += f", kept {_span(kept)}"
         lines.append(f"| {name} | " + " | ".join(texts) + f" | {share} |")
     return "\n".join(lines) + "\n"

@@ -253,6 +253,7 @@ def summarise(label: str, summaries: list[dict[str, Any]]) -> dict[str, Any]:
     metric = summaries[0]["main_metric"]
     m, s = mean_std([x["best_metric"] for x in summaries])
     p = summaries[0]["params"]
+    kept = p.get("effective_without_head", p["trainable_without_head"])
     return {
         "variant": label,
         "metric": metric,
@@ -265,10 +266,9 @@ def summarise(label: str, summaries: list[dict[str, Any]]) -> dict[str, Any]:
         "percent_of_backbone": p["percent_of_backbone"],
         # Diff-Prune trains every entry but keeps 0.5%: what differs from the pretrained
         # model at the end (= trainable_without_head for every other tuner)
-        "effective_without_head": p.get("effective_without_head", p["trainable_without_head"]),
-        "percent_effective": p["percent_of_backbone"] * p.get(
-            "effective_without_head", p["trainable_without_head"]) / max(
-            p["trainable_without_head"], 1),
+        "effective_without_head": kept,
+        "percent_effective": p["percent_of_backbone"] if kept == p["trainable_without_head"]
+        else p["percent_of_backbone"] * kept / max(p["trainable_without_head"], 1),
         "sec_per_step": statistics.fmean(x["seconds_per_step"] for x in summaries),
         "peak_rss_mb": max(x["peak_rss_mb"] for x in summaries),
         "selected": False,  # True for the variant a --best-seeds search picked
