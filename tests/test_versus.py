@@ -54,12 +54,16 @@ def test_add_versus_rows_and_table():
     assert rows[0]["delta"] == 0.0 and rows[0]["p_welch"] is None
     assert rows[1]["delta"] == pytest.approx(0.5764 - 0.58, abs=1e-4)
     assert rows[2]["p_welch"] is None
+    assert [r["is_reference"] for r in rows] == [True, False, False]
     md = to_markdown(rows).splitlines()
     assert md[0].endswith("| Δ vs baseline | p (Welch) |") and md[1].count("|") == 11
     assert md[2].endswith("| (reference) | - |")
     assert md[3].endswith("| -0.0036 | 0.78 |")
     assert md[4].endswith("| +0.0200 | - |")
     assert "| 0.5740, 0.5884, 0.5668 |" in md[3]  # the per-seed column
+    # a row equal to the reference (same label in collect, same values) is not the reference
+    twin = add_versus([_row("a", [0.5, 0.6]), _row("a", [0.5, 0.6])], "a")
+    assert to_markdown(twin).splitlines()[3].endswith("| +0.0000 | 1 |")
     with pytest.raises(ConfigError, match="no such row; the rows are 'baseline', 'jat'"):
         add_versus(rows[:2], "base")
 

@@ -30,8 +30,9 @@ def welch_p(a: list[float], b: list[float]) -> float | None:
 
 
 def add_versus(rows: list[dict[str, Any]], reference: str) -> list[dict[str, Any]]:
-    """Rows with ``versus`` (the reference's label), ``delta`` (mean - reference mean) and
-    ``p_welch`` added. ``reference`` is a row's variant label, exactly as in the table."""
+    """Rows with ``versus`` (the reference's label), ``is_reference``, ``delta`` (mean -
+    reference mean) and ``p_welch`` added. ``reference`` is a row's variant label, exactly
+    as in the table (the first row of that label where several share it)."""
     labels = [r["variant"] for r in rows]
     if reference not in labels:
         raise ConfigError(f"--versus {reference!r}: no such row; the rows are "
@@ -40,7 +41,7 @@ def add_versus(rows: list[dict[str, Any]], reference: str) -> list[dict[str, Any
     out = []
     for r in rows:
         is_ref = r is ref
-        out.append({**r, "versus": reference,
+        out.append({**r, "versus": reference, "is_reference": is_ref,
                     "delta": 0.0 if is_ref else r["mean"] - ref["mean"],
                     "p_welch": None if is_ref else welch_p(r["values"], ref["values"])})
     return out
@@ -49,7 +50,7 @@ def add_versus(rows: list[dict[str, Any]], reference: str) -> list[dict[str, Any
 def versus_cells(row: dict[str, Any]) -> str:
     """The two Markdown cells ``| +0.0036 | 0.78 |`` of a row (``-`` for the reference, and
     for an undefined p)."""
-    if row["delta"] == 0.0 and row["p_welch"] is None and row["variant"] == row["versus"]:
+    if row.get("is_reference"):
         return " (reference) | - |"
     p = row["p_welch"]
     p_text = "-" if p is None else (f"{p:.2g}" if p >= 0.001 else "< 0.001")
