@@ -384,12 +384,11 @@ def run_compare(base: ExperimentConfig, vary: list[tuple[str, list[str]]], seeds
     (``versus.add_versus``); the label is checked before anything runs.
     """
     from ..train.checkpoint import write_json_atomic
-    from .versus import add_versus
+    from .versus import add_versus, check_reference
 
     variants = expand(base, vary, seeds)
     if versus is not None:  # fail now, not after hours of training
-        add_versus([{"variant": label, "mean": 0.0, "values": []} for label, _ in variants],
-                   versus)
+        check_reference([label for label, _ in variants], versus)
     done = iter(_run_configs([c for _, cfgs in variants for c in cfgs], run, resume, parallel))
     per_variant = [[next(done) for _ in cfgs] for _, cfgs in variants]
     rows = [summarise(label, sums) for (label, _), sums in zip(variants, per_variant,

@@ -29,14 +29,19 @@ def welch_p(a: list[float], b: list[float]) -> float | None:
     return None if math.isnan(p) else p
 
 
+def check_reference(labels: list[str], reference: str) -> None:
+    """ConfigError naming the rows when ``reference`` is not one of ``labels``."""
+    if reference not in labels:
+        raise ConfigError(f"--versus {reference!r}: no such row; the rows are "
+                          f"{', '.join(repr(x) for x in labels)}")
+
+
 def add_versus(rows: list[dict[str, Any]], reference: str) -> list[dict[str, Any]]:
     """Rows with ``versus`` (the reference's label), ``is_reference``, ``delta`` (mean -
     reference mean) and ``p_welch`` added. ``reference`` is a row's variant label, exactly
     as in the table (the first row of that label where several share it)."""
     labels = [r["variant"] for r in rows]
-    if reference not in labels:
-        raise ConfigError(f"--versus {reference!r}: no such row; the rows are "
-                          f"{', '.join(repr(x) for x in labels)}")
+    check_reference(labels, reference)
     ref = rows[labels.index(reference)]
     out = []
     for r in rows:
