@@ -128,7 +128,7 @@ def _load(config: str | None, overrides: list[str] | None):
 @app.command()
 def validate(config: str, overrides: Overrides = None) -> None:
     """Check a config (keys, types, plan, tuner) without running it; print it resolved."""
-    from .config import resolved_yaml
+    from .config import resolved_yaml, with_optim_defaults
     from .core import RegistryError
     from .hf.plan import Plan
     from .tasks import get_task
@@ -141,7 +141,7 @@ def validate(config: str, overrides: Overrides = None) -> None:
         resolve_tuning(cfg.tuning.method)
     except (RegistryError, ValueError) as e:
         _fail(str(e))
-    console.print(resolved_yaml(cfg), markup=False)
+    console.print(resolved_yaml(with_optim_defaults(cfg)), markup=False)
     console.print("[green]config is valid[/]")
 
 

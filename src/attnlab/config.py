@@ -46,12 +46,19 @@ class TuningConfig:
     method: str = "full"  # tuner spec: full, bitfit, pasta, lora(r=8), prefix, adapter, ...
 
 
+# What an unset (None) optim field becomes when the tuner publishes no recipe.
+OPTIM_DEFAULTS: dict[str, Any] = {
+    "lr": 5e-5, "weight_decay": 0.01, "warmup_ratio": 0.1, "schedule": "linear"}
+
+
 @dataclass
 class OptimConfig:
-    lr: float = 5e-5  # peak learning rate
-    weight_decay: float = 0.01  # AdamW decoupled weight decay (not on biases/LayerNorm)
-    warmup_ratio: float = 0.1  # linear warmup over this share of the total steps
-    schedule: str = "linear"  # "linear" (warmup then linear decay) or "constant"
+    # None = the tuner's published recipe (pasta: 2.5e-4, wd 0, no warmup, linear;
+    # diff_prune: 1e-5, wd 0), else OPTIM_DEFAULTS; see ``with_optim_defaults``
+    lr: float | None = None  # peak learning rate (default 5e-5)
+    weight_decay: float | None = None  # AdamW decoupled decay, not on biases/LayerNorm (0.01)
+    warmup_ratio: float | None = None  # linear warmup over this share of the steps (0.1)
+    schedule: str | None = None  # "linear" (warmup, then linear decay) or "constant"
     max_grad_norm: float | None = 1.0  # gradient clipping (None = off)
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
@@ -231,13 +238,33 @@ def validate(cfg: ExperimentConfig) -> None:
         raise ConfigError("train.batch_size and train.grad_accum must be >= 1")
     if not 0 < cfg.task.train_fraction <= 1:
         raise ConfigError(f"task.train_fraction must be in (0, 1], got {cfg.task.train_fraction}")
-    if cfg.optim.schedule not in ("linear", "constant"):
+    if cfg.optim.schedule not in (None, "linear", "constant"):
         raise ConfigError(f"optim.schedule must be 'linear' or 'constant', "
                           f"got {cfg.optim.schedule!r}")
     if cfg.train.mixed_precision not in ("no", "bf16", "fp16"):
         raise ConfigError("train.mixed_precision must be 'no', 'bf16' or 'fp16'")
     if cfg.train.max_steps is None and cfg.train.epochs <= 0:
         raise ConfigError("train.epochs must be > 0 (or set train.max_steps)")
+
+
+def with_optim_defaults(cfg: ExperimentConfig) -> ExperimentConfig:
+    """``cfg`` with every unset (None) optim field filled: from the tuner's published recipe
+    (``recommended_optim``: PASTA's and Diff-Prune's official scripts) when it has one,
+    else from ``OPTIM_DEFAULTS``. Values the config sets are kept. Batch size and max length
+    stay the config's own (the recipes list them for reference)."""
+    missing = [k for k in OPTIM_DEFAULTS if getattr(cfg.optim, k) is None]
+    if not missing:
+        return cfg
+    from .tuning.base import resolve_tuning  # tuning imports this module
+
+    try:
+        _, tuner_cfg = resolve_tuning(cfg.tuning.method)
+    except Exception as e:  # an unknown tuner: the same error the run would raise later
+        raise ConfigError(f"tuning.method {cfg.tuning.method!r}: {e}") from None
+    recipe = type(tuner_cfg).recommended_optim
+    values = {k: getattr(recipe, k) if recipe is not None else OPTIM_DEFAULTS[k]
+              for k in missing}
+    return dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, **values))
 
 
 def resolved_yaml(cfg: ExperimentConfig) -> str:

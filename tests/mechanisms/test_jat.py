@@ -3,10 +3,13 @@
 Tolerances: jump-link counts are integers and must be *equal* (bit for bit, including ties
 at the threshold); the official A_hat port is compared exactly as well. Whole-head outputs
 and gradients vs the naive n^3 implementation: fp32, atol = rtol = 1e-5 (float
-reassociation of J only). c = 0 vs softmax: exact (torch.equal).
+reassociation of J only). c = 0 vs the softmax mechanism and vs the unmodified model: exact
+(torch.equal); vs the reference attention: the fp32 tolerance above.
 """
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -264,12 +267,44 @@ def test_head_matches_naive_forward_and_grads(spec, kw):
 
 
 def test_coef_zero_is_exactly_softmax():
+    """c = 0: bit for bit the `softmax` mechanism (the SDPA path of untouched heads), in
+    eval and in training (same dropout draws); the reference to fp32 rounding."""
     q, k, v = qkv(2, 3, 17, 8, seed=4)
     key_mask = lengths_mask([17, 9], 17)
+    soft = build("softmax")
     for spec in ("jat(rho=0.3, coef=0.0)", "jat(rho=0.3, coef=0.0, variant='probsparse')"):
-        out = build(spec)(q, k, v, attnlab.AttnContext(key_mask=key_mask)).out
+        ctx = attnlab.AttnContext(key_mask=key_mask, need_weights=False)
+        out = build(spec)(q, k, v, ctx).out
+        assert torch.equal(out, soft(q, k, v, ctx).out)
         ref, _ = attnlab.reference_attention(q, k, v, key_mask=key_mask)
-        assert torch.equal(out, ref)
+        torch.testing.assert_close(out, ref, **TOL)
+        ctx = attnlab.AttnContext(key_mask=key_mask, dropout=0.3)
+        torch.manual_seed(5)
+        trained = build(spec).train()(q, k, v, ctx).out
+        torch.manual_seed(5)
+        assert torch.equal(trained, soft.train()(q, k, v, ctx).out)
+        soft.eval()
+
+
+def test_coef_zero_bert_jat_model_is_the_pretrained_model():
+    """The issue: "with c = 0 the model is exactly the pretrained one" (bit for bit)."""
+    from transformers import BertConfig, BertModel
+
+    from attnlab.hf.surgery import apply_plan
+    from attnlab.presets import bert_jat
+
+    torch.manual_seed(0)
+    config = BertConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                        intermediate_size=128, vocab_size=100)
+    base = BertModel(config).eval()
+    ids = torch.randint(5, 100, (2, 12))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, 7:] = 0
+    ref = base(input_ids=ids, attention_mask=mask).last_hidden_state
+    model = copy.deepcopy(base)
+    apply_plan(model, bert_jat(layers=[0, 1, 3], jat_heads=2, coef=0.0))
+    out = model.eval()(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert torch.equal(out, ref)
 
 
 def test_mixing_changes_the_output():

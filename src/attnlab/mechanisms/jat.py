@@ -34,6 +34,7 @@ from ._jat_adjacency import (
     naive_jump_counts,
     normalized_adjacency,
 )
+from .dense import Softmax, SoftmaxConfig
 
 AdjacencyMethod = Literal["auto", "enumerate", "compare", "direct", "naive"]
 
@@ -264,6 +265,8 @@ class JumpSelfAttention(nn.Module):
         hop in place into one shared tensor, so its sum double counts the last hop and S).
       * probsparse: the kept queries are sorted (no effect on the values); batch 1 works
         (the official ``.squeeze()`` breaks it); n = 1 gives an empty block.
+    With ``mode='mix'`` and c = 0 the head runs the ``softmax`` mechanism itself, so a
+    model with such heads is bit for bit the pretrained one (tested).
     Not causal: A mixes all positions (``causal_ok=False``); needs n == m (self-attention).
     """
 
@@ -307,6 +310,10 @@ class JumpSelfAttention(nn.Module):
                 f"jat needs self-attention with as many queries as keys, got {n} queries "
                 f"and {k.shape[2]} keys; the jump graph links queries through shared keys"
             )
+        if self.cfg.mode == "mix" and self.cfg.coef == 0:
+            # S~ = S: the very path of plain heads (SDPA), so the model is bit for bit the
+            # pretrained one, dropout draws included
+            return Softmax(SoftmaxConfig(), self.dims).train(self.training)(q, k, v, ctx)
         p = ctx.dropout if self.training else 0.0
         valid = None
         if self.cfg.mask_pads and ctx.key_mask is not None:

@@ -37,6 +37,7 @@ from ..config import (
     run_config_changes,
     to_dict,
     validate,
+    with_optim_defaults,
 )
 
 NAMED_PLANS: dict[str, list[str]] = {
@@ -155,7 +156,7 @@ def expand(base: ExperimentConfig, vary: list[tuple[str, list[str]]], seeds: int
             raise ConfigError(f"variants {seen[slug]!r} and {label!r} would share the folder "
                              f"{slug!r}: make the --vary values differ in letters or digits")
         seen[slug] = label
-        cfg = from_dict(ExperimentConfig, data)
+        cfg = with_optim_defaults(from_dict(ExperimentConfig, data))  # per variant's tuner
         validate(cfg)
         root = Path(base.output_dir) / base.name / slug
         runs = [replace(cfg, seed=s, name=f"seed-{s}", output_dir=str(root)) for s in range(seeds)]

@@ -21,7 +21,13 @@ from typing import Any
 
 import torch
 
-from ..config import ConfigError, ExperimentConfig, resolved_yaml, run_config_changes
+from ..config import (
+    ConfigError,
+    ExperimentConfig,
+    resolved_yaml,
+    run_config_changes,
+    with_optim_defaults,
+)
 from ..train.checkpoint import list_checkpoints, write_json_atomic
 from ..train.loop import LoopParts, fit
 
@@ -147,6 +153,7 @@ def run_experiment(cfg: ExperimentConfig, resume: bool = False,
     from ..tuning.accounting import count_parameters
     from ..tuning.base import TaskInfo, resolve_tuning
 
+    cfg = with_optim_defaults(cfg)  # config.yaml and resume checks see the values used
     _release_other_precision(cfg.train.mixed_precision)
     accelerator = Accelerator(mixed_precision=cfg.train.mixed_precision,
                               cpu=not torch.cuda.is_available())

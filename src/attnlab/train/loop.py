@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_model, save_model
 from tqdm.auto import tqdm
 
-from ..config import ExperimentConfig
+from ..config import ExperimentConfig, with_optim_defaults
 from .checkpoint import TrainerState, list_checkpoints, load_checkpoint, save_checkpoint
 
 NO_DECAY = ("bias", "LayerNorm.weight", "layer_norm.weight", "norm.weight")
@@ -142,7 +142,7 @@ def fit(cfg: ExperimentConfig, parts: LoopParts, accelerator, run_dir: Path,
     """
     from transformers import get_constant_schedule_with_warmup, get_linear_schedule_with_warmup
 
-    tc, oc = cfg.train, cfg.optim
+    tc, oc = cfg.train, with_optim_defaults(cfg).optim
     rank, world = accelerator.process_index, accelerator.num_processes
     lengths = ([len(f["input_ids"]) for f in parts.train_features] if tc.group_by_length
                else None)

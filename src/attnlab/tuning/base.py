@@ -15,7 +15,10 @@ frozen config dataclass, used by the runner in this order::
 Apply a tuner after any attention plan, on a model that was not tuned before.
 
 The *backbone* is the encoder model without its task head (``model.base_model``: e.g.
-``BertModel``, pooler included); the *head* is every other top-level child of the model
+``BertModel``, with its pooler where the task model has one: BERT sequence classification
+does, token classification and RoBERTa's classifiers build theirs without, so BERT-large's
+backbone is 335,141,888 for GLUE and 334,092,288 for NER); the *head* is every other
+top-level child of the model
 (``classifier``, ``qa_outputs``). Both are recorded when a tuner is applied, so
 ``count_parameters`` divides by the backbone as it was before tuning.
 """
@@ -49,7 +52,9 @@ BERT_SPECIAL_IDS = (101, 102)
 
 @dataclass(frozen=True)
 class OptimRecipe:
-    """Optimiser facts published with a method; the runner uses them unless told otherwise.
+    """Optimiser facts published with a method. The runner fills every optim field a config
+    leaves unset (lr, weight_decay, warmup_ratio, schedule) from them
+    (``config.with_optim_defaults``); batch size and max length are listed for reference.
 
     optimizer: "adamw".  lr: peak learning rate.  weight_decay: AdamW decay.
     schedule: learning-rate schedule ("linear" decays to 0).  warmup_ratio: share of steps

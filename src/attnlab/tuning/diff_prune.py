@@ -8,7 +8,8 @@ Every backbone parameter becomes theta = theta_0 + z * w with theta_0 frozen, w 
 Neural Networks through L0 Regularization", ICLR 2018):
 
     u ~ U(0, 1),  s = sigmoid((log u - log(1 - u) + log_alpha) / beta)
-    z = clamp(s * (zeta - gamma) + gamma, 0, 1)         (training; eval: u = 1/2)
+    z = clamp(s * (zeta - gamma) + gamma, 0, 1)         (training)
+    z = clamp(sigmoid(log_alpha) * (zeta - gamma) + gamma, 0, 1)   (eval, Louizos' estimate)
     E[||z||_0] = sum sigmoid(log_alpha - beta * log(-gamma / zeta))
 
 ``aux_loss`` returns lambda * E[||z||_0], which the runner adds to the task loss.
@@ -149,7 +150,8 @@ class DiffParametrization(nn.Module):
         self.register_buffer("mask", None)  # bool, shape of w, once fixed
 
     def gate(self) -> torch.Tensor:
-        """The deterministic gate: the fixed mask, or the test-time estimate (u = 1/2).
+        """The deterministic gate: the fixed mask, or Louizos et al.'s test-time estimate
+        clamp(sigmoid(log_alpha) (zeta - gamma) + gamma, 0, 1) (no temperature).
         Training samples a noisy gate inside ``_NoisyDiff`` instead."""
         if self.fixed:
             return self.mask.to(self.w.dtype)

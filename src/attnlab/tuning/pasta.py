@@ -108,7 +108,11 @@ class PastaVectors(nn.Module):
 
     def special_index(self, input_ids: torch.Tensor,
                       attention_mask: torch.Tensor | None) -> torch.Tensor:
-        """[b, L] ids -> [b, L] row of e_s per position (order of occurrence), -1 elsewhere."""
+        """[b, L] ids -> [b, L] row of e_s per position (order of occurrence), -1 elsewhere.
+
+        More special tokens than n in an example is an error; fewer is allowed (the example
+        uses e_1..e_k of its k tokens in order, e.g. text tokenized without [CLS]).
+        """
         special = torch.isin(input_ids, torch.tensor(self.special_ids, device=input_ids.device))
         if self.pad_id is not None:
             special &= input_ids != self.pad_id
