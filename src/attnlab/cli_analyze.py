@@ -190,7 +190,9 @@ def connections(
     """JAT case study: count major connections (p > mean + std) per layer and entity class.
 
     A connection's class: PER/ORG/LOC/MISC/O when both tokens share it, SEP when either is
-    [CLS]/[SEP], CROSS otherwise. Writes connections.csv/json and bar plots (PNG + SVG).
+    [CLS]/[SEP], CROSS otherwise. Every sub-word token carries its word's class; the
+    threshold uses the population std of each head's map cropped to the real tokens.
+    Writes connections.csv/json and bar plots (PNG + SVG).
     """
     from .recipes import connections as rec
 

@@ -292,6 +292,14 @@ def _figure(width: float, height: float) -> Figure:
     return fig
 
 
+def _wrapped(title: str, fig: Figure, fontsize: float) -> str:
+    """``title`` broken into lines that fit the figure's width (no title cut at the edges)."""
+    import textwrap
+
+    chars = max(20, int(fig.get_figwidth() * 72 / (0.6 * fontsize)))  # ~0.6 em per char
+    return "\n".join(textwrap.wrap(title, chars))
+
+
 def _columns(counts: ConnectionCounts, include_sep: bool) -> tuple[list[str], Any]:
     classes = list(counts.classes if include_sep else counts.classes_without_sep)
     table = counts.counts if include_sep else counts.without_sep()
@@ -317,7 +325,7 @@ def connection_bars(counts: ConnectionCounts, *, include_sep: bool = True,
     ax.set_ylabel("major connections")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     if title:
-        ax.set_title(title)
+        ax.set_title(_wrapped(title, fig, 12))
     return fig
 
 
@@ -350,5 +358,5 @@ def compare_connection_bars(a: ConnectionCounts, b: ConnectionCounts, *,
     handles, names = axes[0].get_legend_handles_labels()
     fig.legend(handles, names, loc="outside lower center", ncols=2, fontsize=8)
     if title:
-        fig.suptitle(title)
+        fig.suptitle(_wrapped(title, fig, 12))
     return fig
