@@ -207,3 +207,21 @@ def test_exact_matches_reference(name, n, causal):
         _, pref = attnlab.reference_attention(q.detach(), k.detach(), v.detach(), bias=bias,
                                               key_mask=key_mask, causal=causal)
         torch.testing.assert_close(res.probs, pref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("n,m", [(5, 3), (3, 5), (6, 6)])
+def test_softmax_causal_with_key_mask_at_unequal_lengths(n, m):
+    """Queries aligned to the last n keys (core.reference); n > m leaves the first rows
+    without keys (zeros). Was a crash at n > m with a key mask."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 2, n, D, generator=g)
+    k, v = (torch.randn(2, 2, m, D, generator=g) for _ in range(2))
+    key_mask = torch.ones(2, m, dtype=torch.bool)
+    key_mask[1, 0] = False
+    for spec in ("softmax", "mqa"):
+        mech = attnlab.build_mechanism(spec, attnlab.HeadDims(2, D)).eval()
+        out = mech(q, k, v, attnlab.AttnContext(key_mask=key_mask, causal=True)).out
+        kk, vv = (k.mean(1, keepdim=True).expand_as(k), v.mean(1, keepdim=True).expand_as(v)
+                  ) if spec == "mqa" else (k, v)
+        ref, _ = attnlab.reference_attention(q, kk, vv, key_mask=key_mask, causal=True)
+        torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)

@@ -252,9 +252,25 @@ def test_unequal_lengths_use_the_dense_path():
     q = torch.randn(1, 2, N_FAST, 8, generator=g)
     k, v = (torch.randn(1, 2, N_FAST + 20, 8, generator=g) for _ in range(2))
     out = mech(q, k, v, attnlab.AttnContext(causal=True)).out
-    ref, _ = attnlab.reference_attention(q, k, v, bias=mech.bias(N_FAST, N_FAST + 20),
-                                         causal=True)
+    ref, _ = attnlab.reference_attention(
+        q, k, v, bias=brute(N_FAST, N_FAST + 20, lambda i, j: abs(i - j) <= 6 and j <= i))
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("spec,rule", RULES, ids=[r[0] for r in RULES])
+@pytest.mark.parametrize("n,m", [(7, 11), (11, 7)])
+def test_causal_with_unequal_lengths_is_the_rule_and_j_le_i(spec, rule, n, m):
+    """The issue's semantics at n != m: the pattern on raw positions AND j <= i (query i is
+    position i for the pattern and for causality alike), with a key mask; fp32, 1e-6."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 2, n, 8, generator=g)
+    k, v = (torch.randn(2, 2, m, 8, generator=g) for _ in range(2))
+    key_mask = torch.ones(2, m, dtype=torch.bool)
+    key_mask[1, m - 3:] = False
+    out = build(spec)(q, k, v, attnlab.AttnContext(key_mask=key_mask, causal=True)).out
+    ref, _ = attnlab.reference_attention(
+        q, k, v, bias=brute(n, m, lambda i, j: rule(i, j) and j <= i), key_mask=key_mask)
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
 
 
 def test_blocked_bf16_runs():

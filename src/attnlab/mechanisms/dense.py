@@ -33,9 +33,11 @@ def rows_with_keys(
     """[b,1,n,1] bool: does query row i have at least one allowed key? None = always."""
     if key_mask is None:
         return None
-    if causal:
+    if causal:  # query i sees keys j <= i + m - n (core.reference's alignment)
         seen = key_mask.cumsum(-1) > 0  # [b,m]: any kept key at or before j
-        return seen[:, None, m - n :, None]
+        last = torch.arange(n, device=key_mask.device) + (m - n)  # [n] last visible key
+        live = seen[:, last.clamp_min(0)] & (last >= 0)  # [b,n]; n > m: first rows see none
+        return live[:, None, :, None]
     return key_mask.any(-1)[:, None, None, None]
 
 

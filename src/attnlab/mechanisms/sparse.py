@@ -2,7 +2,8 @@
 
 Survey: Lin, Wang, Liu, Qiu, "A Survey of Transformers", AI Open 2022 (arXiv 2021), §3.1.1.
 Every mechanism here is exact softmax over a fixed pattern (0-based positions, query i,
-key j; bidirectional unless ``ctx.causal``, which also requires j <= i) and exposes
+key j; bidirectional unless ``ctx.causal``, which also requires j <= i, with these raw
+positions also when n != m) and exposes
 ``bias(n, m) -> [1, n, m]`` (0 / -inf) that ``core.reference_attention`` takes.
 
 Paths. Band-like patterns (band, dilated, block_local, longformer, star, global_tokens,
@@ -70,8 +71,15 @@ def _run(mech: nn.Module, q, k, v, ctx: AttnContext, fast: FastPath | None) -> A
     if sparse and fast is not None:
         return AttnOutput(fast(q, k, v, ctx, scale, p))
     bias = mech.bias(n, m, layer_idx=ctx.layer_idx).to(q.device)  # [1,n,m]
+    causal = ctx.causal
+    if causal and n != m:
+        # the pattern reads query i as position i, and so does causality: j <= i (not the
+        # reference's queries-at-the-end alignment, j <= i + m - n, of position-free heads)
+        i, j = positions(n, m, q.device)
+        bias = bias.masked_fill(j > i, float("-inf"))  # [1,n,m]
+        causal = False
     out, probs = reference_attention(
-        q, k, v, bias=bias, key_mask=ctx.key_mask, causal=ctx.causal, scale=scale,
+        q, k, v, bias=bias, key_mask=ctx.key_mask, causal=causal, scale=scale,
         dropout=p, training=mech.training,
     )
     return AttnOutput(out, probs if ctx.need_weights else None)
