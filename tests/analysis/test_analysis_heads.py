@@ -295,3 +295,24 @@ def test_layers_without_maps_give_nan_and_no_class():
     assert class_counts(res.classes)[NO_CLASS] == [0, 2, 0]
     with pytest.raises(ValueError, match="no layer has attention probabilities"):
         score_heads({0: None}, [single()])
+
+
+def test_a_share_exactly_at_the_threshold_reaches_it():
+    """f_V >= 0.9 is inclusive: 9 of 10 rows on [CLS] is vertical, 9 of 10 rows at i+1
+    diagonal, and 18 of 20 fully vertical examples vertical (float rounding of the ratios
+    and of the mean over examples must not push them below 0.9)."""
+    n = 10
+    p = torch.zeros(1, 1, 1, n, n)
+    p[0, 0, 0, :9, 0] = 1
+    p[0, 0, 0, 9, 5] = 1
+    s = score_heads(p, [TokenInfo.from_length(n)])
+    assert classify_heads(s)[0][0] == "vertical" and float(s["vertical"][0, 0]) == 0.9
+    p = torch.roll(torch.eye(n), 1, 1)[None, None, None]
+    s = score_heads(p, [TokenInfo.from_length(n)])
+    assert (float(s["vertical"][0, 0]), float(s["diagonal"][0, 0])) == (0.2, 0.9)
+    assert classify_heads(s)[0][0] == "diagonal"
+    p = torch.zeros(1, 20, 1, n, n)
+    p[0, :18, 0, :, 0] = 1
+    p[0, 18:, 0, :, 5] = 1
+    s = score_heads(p, [TokenInfo.from_length(n)] * 20)
+    assert classify_heads(s)[0][0] == "vertical"

@@ -131,7 +131,7 @@ def test_batched_scores_equal_one_sentence_at_a_time(runs):
     for label in ("vertical", "vertical_tlm", "vertical_pasta", "diagonal", "entropy",
                   "special_mass", "prev_mass", "next_mass"):
         want = torch.stack([s[label] for s in per_sentence]).mean(0)
-        got = torch.tensor(doc["scores"][label])
+        got = torch.tensor(doc["scores"][label], dtype=torch.float64)
         # 1e-5: the file keeps 6 decimals, and padded vs unpadded float32 softmax differ ~1e-7
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0, msg=label)
     assert all(x is None for row in doc["scores"]["block"] for x in row)  # single sentences

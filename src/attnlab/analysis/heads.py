@@ -369,7 +369,8 @@ class HeadScoreAccumulator:
                     continue
                 keep = info.keep.to(x.device)
                 p = x[i].index_select(-2, keep).index_select(-1, keep)  # [h, n_i, n_i]
-                view = HeadView(p.detach().float().cpu(), info)
+                # float64: a share like 9/10 is then the double 0.9 the thresholds compare to
+                view = HeadView(p.detach().double().cpu(), info)
                 for label, scorer in zip(self.labels, self.scorers, strict=True):
                     val = scorer(view)  # [h], or None: not applicable to this example
                     if val is not None:
@@ -382,11 +383,11 @@ class HeadScoreAccumulator:
         return {k: v.tolist() for k, v in self._counts.items()}
 
     def result(self) -> dict[str, Tensor]:
-        """label -> [L, h] float32 mean over examples; NaN where no example applied."""
+        """label -> [L, h] float64 mean over examples; NaN where no example applied."""
         if self.shape is None:
             raise ValueError("no maps seen yet: call update() with at least one batch")
         return {  # 0 / 0 -> NaN exactly where a layer saw no applicable example
-            k: (self._sums[k] / self._counts[k][:, None]).float() for k in self.labels
+            k: self._sums[k] / self._counts[k][:, None] for k in self.labels
         }
 
 
@@ -404,6 +405,9 @@ def score_heads(
 # ----------------------------------------------------------------------------- classifier
 
 
+TIE = 1e-9  # shares this close below a threshold count as reaching it (float rounding)
+
+
 @dataclass(frozen=True, kw_only=True)
 class ClassRule:
     """Thresholds of the project's head classifier (Kovaleva et al. used a CNN on hand labels;
@@ -416,6 +420,8 @@ class ClassRule:
       4. block             f_B >= block (f_B is NaN, so never, without pair inputs)
       5. heterogeneous     otherwise
     A head with NaN f_V or f_D (its layer had no maps) is "n/a" (:data:`NO_CLASS`).
+    ">=" holds up to :data:`TIE` (1e-9), so a share that is a threshold in exact arithmetic
+    (9 of 10 rows = 0.9) reaches it whatever the float rounding of its mean.
     f_V, f_D, f_B are the ``vertical``, ``diagonal`` and ``block`` row shares. A row can count
     for both V and D (row 1 pointing at [CLS] = i-1), so the order is what makes the result
     deterministic; vertical goes first because [CLS]/[SEP] attention is the dominant pattern
@@ -445,13 +451,14 @@ def classify_shares(
             v, d, b = float(f_v[l, h]), float(f_d[l, h]), float(f_b[l, h])
             if math.isnan(v) or math.isnan(d):
                 row.append(NO_CLASS)
-            elif v >= rule.vertical:
+            elif v >= rule.vertical - TIE:
                 row.append("vertical")
-            elif d >= rule.diagonal:
+            elif d >= rule.diagonal - TIE:
                 row.append("diagonal")
-            elif v + d >= rule.mixed_total and v >= rule.mixed_each and d >= rule.mixed_each:
+            elif (v + d >= rule.mixed_total - TIE and v >= rule.mixed_each - TIE
+                  and d >= rule.mixed_each - TIE):
                 row.append("vertical+diagonal")
-            elif b >= rule.block:  # False for NaN
+            elif b >= rule.block - TIE:  # False for NaN
                 row.append("block")
             else:
                 row.append("heterogeneous")

@@ -115,7 +115,8 @@ def read_json(path: str | os.PathLike[str]) -> tuple[dict[str, Tensor], list[lis
     """Inverse of :func:`to_json`: (scores, classes); null -> NaN."""
     doc = json.loads(Path(path).read_text(encoding="utf-8"))
     scores = {
-        k: torch.tensor([[math.nan if x is None else x for x in row] for row in v])
+        k: torch.tensor([[math.nan if x is None else x for x in row] for row in v],
+                        dtype=torch.float64)
         for k, v in doc["scores"].items()
     }
     return scores, doc.get("classes")
