@@ -66,3 +66,13 @@ def test_tampered_plan_is_caught(tiny_bert, tmp_path):
         load_pretrained(tmp_path)
     with pytest.raises(FileNotFoundError, match="config.json"):
         load_pretrained(tmp_path / "nowhere")
+
+
+def test_folder_without_plan_json_warns_and_loads_plain(tiny_bert, padded_batch, tmp_path):
+    """Hugging Face's own model.save_pretrained writes no plan.json: loading says so (the
+    plan is lost) instead of silently returning a plain-softmax model."""
+    apply_plan(tiny_bert, "1:0:band(window=1)")
+    tiny_bert.save_pretrained(tmp_path)
+    with pytest.warns(UserWarning, match=r"no plan.json.*attnlab.save_pretrained"):
+        loaded = load_pretrained(tmp_path)
+    assert not any("attnlab" in name for name, _ in loaded.named_modules())

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +122,11 @@ def load_pretrained(path: str | os.PathLike, auto_class: Any = None) -> nn.Modul
     else:  # an Auto class
         model = cls.from_config(config)
     plan_file, surgery_file = folder / PLAN_FILE, folder / SURGERY_FILE
+    if not plan_file.exists():
+        warnings.warn(
+            f"{folder} has no {PLAN_FILE}: loading it with plain softmax attention. A model "
+            "saved with Hugging Face's model.save_pretrained loses its plan; save with "
+            "attnlab.save_pretrained(model, path) to keep it.", stacklevel=2)
     plan = Plan.from_json(plan_file.read_text()) if plan_file.exists() else Plan()
     max_len = None
     if surgery_file.exists():
