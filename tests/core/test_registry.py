@@ -25,6 +25,8 @@ def test_parse_spec_errors_are_clear(bad):
 def test_unknown_mechanism_names_close_matches():
     with pytest.raises(RegistryError, match=r"unknown mechanism 'softmx'.*'softmax'"):
         attnlab.build_mechanism("softmx", attnlab.HeadDims(2, 8))
+    with pytest.raises(RegistryError, match=r"unknown mechanism 'BAND'.*Did you mean 'band'"):
+        attnlab.build_mechanism("BAND(window=2)", attnlab.HeadDims(2, 8))
 
 
 def test_unknown_key_names_close_matches():

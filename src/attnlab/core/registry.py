@@ -29,7 +29,10 @@ class RegistryError(KeyError):
 
 
 def _close(word: str, choices: list[str]) -> str:
-    hits = difflib.get_close_matches(word, choices, n=3, cutoff=0.5)
+    """" Did you mean ...?" from the closest choices, case-insensitively (BAND -> band)."""
+    lower = {c.lower(): c for c in choices}
+    hits = [lower[h] for h in difflib.get_close_matches(word.lower(), list(lower), n=3,
+                                                        cutoff=0.5)]
     return f" Did you mean {', '.join(repr(h) for h in hits)}?" if hits else ""
 
 
