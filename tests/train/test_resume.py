@@ -61,3 +61,68 @@ def test_resumed_metrics_log_has_no_duplicates(runs):
     lines = [json.loads(x) for x in (tmp / "cut" / "metrics.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in lines if "loss" in r]
     assert steps == [1, 2, 3, 4, 5, 6]
+
+
+def test_fresh_start_removes_an_older_runs_checkpoints(tmp_path):
+    """A run started again without --resume in the same folder: a later --resume must
+    continue this run, not the older run's (higher-numbered) checkpoint."""
+    _run(tmp_path, "again", stop_after=5)  # an older run, cut at step 5
+    _run(tmp_path, "again", stop_after=2)  # started over, cut at step 2
+    ckpts = sorted(p.name for p in (tmp_path / "again" / "checkpoints").iterdir())
+    assert ckpts == ["step-00000002"]
+    resumed = _run(tmp_path, "again", resume=True)
+    lines = [json.loads(x) for x in (tmp_path / "again" / "metrics.jsonl").read_text()
+             .splitlines()]
+    assert resumed["steps"] == 6 and [r["step"] for r in lines if "loss" in r] == [1, 2, 3, 4,
+                                                                                  5, 6]
+
+
+def test_resume_survives_a_half_written_metrics_line(tmp_path, runs):
+    """A kill while appending to metrics.jsonl leaves a cut line: resume drops it."""
+    _, full, _, _ = runs
+    _run(tmp_path, "cutline", stop_after=3)
+    log = tmp_path / "cutline" / "metrics.jsonl"
+    log.write_text(log.read_text() + '{"step": 4, "lo')
+    resumed = _run(tmp_path, "cutline", resume=True)
+    assert resumed["final_eval"] == pytest.approx(full["final_eval"], abs=1e-6)
+
+
+def test_an_early_stopped_run_stays_stopped_on_resume(tmp_path):
+    """Resuming a run whose last checkpoint already met the patience trains no further."""
+    extra = ["train.early_stopping_patience=1", "train.eval_every=1", "train.save_every=1",
+             "optim.lr=0.0", "train.max_steps=12"]  # lr 0: no eval can improve on the first
+    cfg = load_config(None, BASE + extra + ["name=es", f"output_dir={tmp_path}"])
+    done = run_experiment(cfg)
+    assert done["steps"] == 2
+    (tmp_path / "es" / "summary.json").unlink()  # as if killed before the summary
+    again = run_experiment(cfg, resume=True)
+    assert again["steps"] == 2
+
+
+def test_accumulation_tail_is_the_mean_of_its_micro_batches(tmp_path):
+    """grad_accum=2 over an epoch of 3 micro-batches: the last step's single micro-batch
+    counts whole (not halved), so batch 4 x 2 equals batch 8 to float rounding."""
+    common = ["task.data_dir=builtin", "model.name=scratch:tiny", "model.max_length=16",
+              "task.train_limit=20", "task.eval_limit=8", "train.max_steps=3",
+              "train.keep_best=false", "optim.lr=1e-3", "model.dropout=0.0",
+              "optim.max_grad_norm=null", "optim.warmup_ratio=0.0", f"output_dir={tmp_path}"]
+    run_experiment(load_config(None, common + ["name=acc", "train.batch_size=4",
+                                               "train.grad_accum=2"]))
+    run_experiment(load_config(None, common + ["name=big", "train.batch_size=8"]))
+    a = load_file(tmp_path / "acc" / "tuned.safetensors")
+    b = load_file(tmp_path / "big" / "tuned.safetensors")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
+
+
+def test_mlm_resume_reproduces_the_uninterrupted_run(tmp_path):
+    """Masked LM: the masks of a resumed run are those of the uninterrupted one (they are
+    seeded per batch, not by a collator stream the checkpoint does not hold)."""
+    mlm = BASE + ["task.name=mlm", "train.save_every=1", f"output_dir={tmp_path}"]
+    full = run_experiment(load_config(None, mlm + ["name=full"]))
+    run_experiment(load_config(None, mlm + ["name=cut"]), stop_after=3)
+    resumed = run_experiment(load_config(None, mlm + ["name=cut"]), resume=True)
+    a = load_file(tmp_path / "full" / "tuned.safetensors")
+    b = load_file(tmp_path / "cut" / "tuned.safetensors")
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0)
+    assert resumed["final_eval"] == pytest.approx(full["final_eval"], abs=1e-6)

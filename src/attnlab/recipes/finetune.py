@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import random
-import resource
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +29,7 @@ from ..config import (
 )
 from ..train.checkpoint import list_checkpoints, write_json_atomic
 from ..train.loop import LoopParts, fit
+from ..train.memory import peak_rss_mb, reset_peak_rss
 
 AUTO_CLASSES = {
     "sequence-classification": "AutoModelForSequenceClassification",
@@ -154,6 +154,7 @@ def run_experiment(cfg: ExperimentConfig, resume: bool = False,
     from ..tuning.base import TaskInfo, resolve_tuning
 
     cfg = with_optim_defaults(cfg)  # config.yaml and resume checks see the values used
+    reset_peak_rss()  # peak memory of this run, not of earlier runs in the process
     _release_other_precision(cfg.train.mixed_precision)
     accelerator = Accelerator(mixed_precision=cfg.train.mixed_precision,
                               cpu=not torch.cuda.is_available())
@@ -246,7 +247,7 @@ def run_experiment(cfg: ExperimentConfig, resume: bool = False,
         "train_examples": len(train_feats),
         "train_seconds": train_seconds,
         "seconds_per_step": train_seconds / max(state.step + masked_steps, 1),
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_rss_mb": peak_rss_mb(),  # this run's own (reset when it started)
         "params": params,
         "surgery": report.to_dict() if report is not None else None,
         "interrupted": interrupted,

@@ -177,7 +177,8 @@ class MlmTask:
             mask_replace_prob=self.mask_replace_prob,
             random_replace_prob=self.random_replace_prob, seed=seed,
         )
-        return KeepKeys(inner, MODEL_INPUT_KEYS | {"special_tokens_mask"})
+        return SeededMasking(KeepKeys(inner, MODEL_INPUT_KEYS | {"special_tokens_mask"}),
+                             inner, seed)
 
     def batch_predictions(self, outputs: Mapping[str, Any], batch: Mapping[str, Any]) -> list:
         """``(sum of NLL over masked tokens, masked tokens, correct argmax)`` per row."""
@@ -205,3 +206,27 @@ class MlmTask:
 
 MLM = register_task(MlmTask())
 WIKITEXT2 = register_task(MlmTask(name="wikitext2", subpath="corpus_en/wikitext-2"))
+
+
+@dataclass
+class SeededMasking:
+    """Masks drawn from a generator seeded by (seed, the batch's block indices): the same
+    batch always gets the same masks, whatever came before it. So a resumed run masks its
+    batches exactly as the uninterrupted one did (the collator's own generator is not in
+    the checkpoint), and every evaluation masks the dev blocks alike."""
+
+    collate: Callable[[list[Feature]], dict]
+    inner: Any  # the DataCollatorForLanguageModeling inside ``collate``
+    seed: int
+
+    def __call__(self, features: list[Feature]) -> dict:
+        import hashlib
+
+        import torch
+
+        blocks = ",".join(str(f.get("block_index", -1)) for f in features)
+        digest = hashlib.sha256(f"mlm:{self.seed}:{blocks}".encode()).digest()
+        self.inner.generator = torch.Generator().manual_seed(
+            int.from_bytes(digest[:8], "big") >> 1)
+        return self.collate(features)
+

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -123,8 +124,14 @@ class MetricsLog:
         """On resume, drop lines logged after the checkpoint (they will be replayed)."""
         if not (self.enabled and self.path.exists()):
             return
-        keep = [ln for ln in self.path.read_text().splitlines()
-                if ln.strip() and json.loads(ln).get("step", 0) <= step]
+        keep = []
+        for ln in self.path.read_text().splitlines():
+            try:
+                rec = json.loads(ln) if ln.strip() else None
+            except json.JSONDecodeError:  # a line cut by the kill: dropped, it is replayed
+                continue
+            if rec is not None and rec.get("step", 0) <= step:
+                keep.append(ln)
         self.path.write_text("".join(k + "\n" for k in keep))
 
     def write(self, record: dict[str, Any]) -> None:
@@ -175,8 +182,11 @@ def fit(cfg: ExperimentConfig, parts: LoopParts, accelerator, run_dir: Path,
         state = load_checkpoint(accelerator, ckpts[-1])
         log.truncate_after(state.step)
         accelerator.print(f"resumed from {ckpts[-1]} (step {state.step}/{total})")
-    elif accelerator.is_main_process and log.path.exists():
-        log.path.unlink()
+    elif accelerator.is_main_process:  # a fresh start: nothing of an older run survives
+        if log.path.exists():
+            log.path.unlink()
+        # an older run's checkpoints would be taken for this run's by a later --resume
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
 
     # a terminal gets a live bar; a log file (nohup, CI) one line per 60 s, not one per step
     tty = sys.stderr.isatty()
@@ -184,7 +194,9 @@ def fit(cfg: ExperimentConfig, parts: LoopParts, accelerator, run_dir: Path,
                disable=not accelerator.is_local_main_process, dynamic_ncols=tty,
                mininterval=0.1 if tty else 60.0)
     model.train()
-    running, t_start, stop = 0.0, time.perf_counter(), False
+    patience = tc.early_stopping_patience  # a run that stopped early stays stopped on resume
+    stop = patience is not None and state.evals_without_improvement >= patience
+    running, t_start = 0.0, time.perf_counter()
     while state.step < total and not stop:
         batches = epoch_batches(len(parts.train_features), tc.batch_size, cfg.seed,
                                 state.epoch, rank, world, lengths)
@@ -192,14 +204,17 @@ def fit(cfg: ExperimentConfig, parts: LoopParts, accelerator, run_dir: Path,
             batch = parts.collate([parts.train_features[i] for i in batches[bi]])
             batch = {k: v.to(accelerator.device) for k, v in batch.items()}
             sync = (bi + 1) % tc.grad_accum == 0 or bi == len(batches) - 1
+            # micro-batches in this accumulation group: fewer in an epoch's last group, so
+            # its update is their mean, not a fraction of it
+            n_acc = min(tc.grad_accum, len(batches) - bi // tc.grad_accum * tc.grad_accum)
             with accelerator.autocast(), (nullcontext() if sync else accelerator.no_sync(model)):
                 out = model(**batch)
                 loss = out.loss
                 extra = parts.aux_loss(accelerator.unwrap_model(model)) if parts.aux_loss else None
                 if extra is not None:
                     loss = loss + extra
-                accelerator.backward(loss / tc.grad_accum)
-            running += loss.detach().float().item() / tc.grad_accum
+                accelerator.backward(loss / n_acc)
+            running += loss.detach().float().item() / n_acc
             state.batch_in_epoch = bi + 1
             if state.batch_in_epoch == len(batches):  # epoch done: a checkpoint resumes the next
                 state.epoch, state.batch_in_epoch = state.epoch + 1, 0
