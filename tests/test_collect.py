@@ -125,3 +125,31 @@ def test_diff_prune_rows_show_what_they_kept():
     # a share that is not a round float stays one share (no "kept" for non-pruning tuners)
     prefix = summarise("prefix@cola", [summary(92_160, 92_160)] * 2)
     assert "kept" not in to_matrix_markdown([prefix]) and "kept" not in to_markdown([prefix])
+
+
+def _summary(metric):
+    return {"main_metric": "spearmanr", "best_metric": metric, "seconds_per_step": 0.5,
+            "peak_rss_mb": 100.0, "params": {"trainable_total": 10, "trainable_without_head": 8,
+                                             "percent_of_backbone": 1.0}}
+
+
+def test_seeds_without_a_metric_are_left_out_and_said_so():
+    """A NaN (constant-prediction Spearman) or missing best metric is not in the mean, the
+    seeds column says how many are, and the per-seed column marks the gap."""
+    from attnlab.recipes.compare import mean_std, summarise, to_markdown
+
+    assert mean_std([0.4, float("nan"), 0.44, None]) == pytest.approx((0.42, 0.0008 ** 0.5))
+    row = summarise("v", [_summary(0.4), _summary(float("nan")), _summary(0.44)])
+    assert (row["seeds"], row["seeds_run"]) == (2, 3)
+    line = to_markdown([row]).splitlines()[2]
+    assert "| 0.4200 ± 0.0283 | 0.4000, -, 0.4400 | 2 of 3 |" in line
+
+
+def test_collect_reads_seeds_in_numeric_order(tmp_path):
+    from attnlab.recipes.collect import _seeds
+
+    for k in (0, 1, 2, 10, 11):
+        (tmp_path / f"seed-{k}").mkdir()
+        (tmp_path / f"seed-{k}" / "summary.json").write_text("{}")
+    assert [p.parent.name for p in _seeds(tmp_path)] == [
+        "seed-0", "seed-1", "seed-2", "seed-10", "seed-11"]

@@ -34,7 +34,12 @@ from .compare import bar_plot, mean_std_text, summarise, to_csv, to_markdown
 
 
 def _seeds(folder: Path) -> list[Path]:
-    return sorted(folder.glob("seed-*/summary.json"))
+    """Finished seeds' summaries in seed order (seed-2 before seed-10)."""
+    def number(p: Path) -> tuple[int, str]:
+        tail = p.parent.name.removeprefix("seed-")
+        return (int(tail), "") if tail.isdigit() else (1 << 30, tail)
+
+    return sorted(folder.glob("seed-*/summary.json"), key=number)
 
 
 def _config_value(folder: Path, key: str) -> Any:

@@ -164,8 +164,15 @@ def expand(base: ExperimentConfig, vary: list[tuple[str, list[str]]], seeds: int
     return out
 
 
-def mean_std(values: list[float]) -> tuple[float, float]:
-    vals = [v for v in values if v is not None]
+def has_value(v: float | None) -> bool:
+    """A seed's metric counts when it exists and is not NaN (e.g. the Spearman of a
+    constant prediction)."""
+    return v is not None and not math.isnan(v)
+
+
+def mean_std(values: list[float | None]) -> tuple[float, float]:
+    """Mean and sample std (ddof 1) over the seeds that have a metric."""
+    vals = [v for v in values if has_value(v)]
     if not vals:
         return float("nan"), float("nan")
     return statistics.fmean(vals), (statistics.stdev(vals) if len(vals) > 1 else 0.0)
@@ -260,7 +267,8 @@ def summarise(label: str, summaries: list[dict[str, Any]]) -> dict[str, Any]:
         "metric": metric,
         "mean": m,
         "std": s,
-        "seeds": len(summaries),
+        "seeds": sum(has_value(x["best_metric"]) for x in summaries),  # in the mean
+        "seeds_run": len(summaries),
         "values": [x["best_metric"] for x in summaries],
         "trainable_params": p["trainable_total"],
         "trainable_without_head": p["trainable_without_head"],
@@ -288,11 +296,13 @@ def to_markdown(rows: list[dict[str, Any]]) -> str:
              "| s/step | peak RSS MB |" + extra, "|---|---|---|---|---|---|---|---|"
              + ("---|---|" if vs else "")]
     for r in rows:
-        per_seed = ", ".join(f"{v:.4f}" for v in r.get("values") or [] if v is not None)
+        per_seed = ", ".join(f"{v:.4f}" if has_value(v) else "-" for v in r.get("values") or [])
+        seeds = r["seeds"] if r.get("seeds_run", r["seeds"]) == r["seeds"] else (
+            f"{r['seeds']} of {r['seeds_run']}")  # seeds without a metric are not in the mean
         lines.append(
             f"| {r['variant']}{_selected_note(r)} | {r['metric']} | "
             f"{mean_std_text(r)} | {per_seed} | "
-            f"{r['seeds']} | {params_text(r)} | "
+            f"{seeds} | {params_text(r)} | "
             f"{r['sec_per_step']:.3f} | {r['peak_rss_mb']:.0f} |"
             + (versus_cells(r) if vs else "")
         )
