@@ -147,10 +147,9 @@ class DevicePeak:
             import torch
 
             return torch.cuda.max_memory_allocated() / 2**20
-        import resource
+        from ..train.memory import lifetime_peak_rss_mb
 
-        unit = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit / 2**20
+        return lifetime_peak_rss_mb()
 
     def start(self) -> None:
         self.sync()

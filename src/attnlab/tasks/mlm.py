@@ -17,10 +17,10 @@ Encoding packs documents RoBERTa-style ("full sentences"): every document is tok
 without special tokens, documents are joined with [SEP], the stream is cut into blocks of
 ``max_length - 2`` tokens and each block is wrapped as ``[CLS] block [SEP]``; the last block
 may be shorter (dynamic padding). Masking happens in the collator
-(``DataCollatorForLanguageModeling``, seeded): 15% of non-special tokens are chosen; of
-those 80% become [MASK], 10% a random token, 10% stay. Special tokens (including [UNK] and
-padding) are never chosen. For identical evaluation masks, build a fresh collator with the
-same seed for each evaluation pass.
+(``DataCollatorForLanguageModeling``): 15% of non-special tokens are chosen; of those 80%
+become [MASK], 10% a random token, 10% stay. Special tokens (including [UNK] and padding)
+are never chosen. Masks are seeded per batch by (seed, its block indices)
+(``SeededMasking``), so a batch is masked alike in every evaluation and after a resume.
 """
 
 from __future__ import annotations
@@ -177,8 +177,7 @@ class MlmTask:
             mask_replace_prob=self.mask_replace_prob,
             random_replace_prob=self.random_replace_prob, seed=seed,
         )
-        return SeededMasking(KeepKeys(inner, MODEL_INPUT_KEYS | {"special_tokens_mask"}),
-                             inner, seed)
+        return SeededMasking(KeepKeys(inner, MODEL_INPUT_KEYS | {"special_tokens_mask"}), seed)
 
     def batch_predictions(self, outputs: Mapping[str, Any], batch: Mapping[str, Any]) -> list:
         """``(sum of NLL over masked tokens, masked tokens, correct argmax)`` per row."""
@@ -215,8 +214,7 @@ class SeededMasking:
     batches exactly as the uninterrupted one did (the collator's own generator is not in
     the checkpoint), and every evaluation masks the dev blocks alike."""
 
-    collate: Callable[[list[Feature]], dict]
-    inner: Any  # the DataCollatorForLanguageModeling inside ``collate``
+    collate: KeepKeys  # around a DataCollatorForLanguageModeling
     seed: int
 
     def __call__(self, features: list[Feature]) -> dict:
@@ -226,7 +224,7 @@ class SeededMasking:
 
         blocks = ",".join(str(f.get("block_index", -1)) for f in features)
         digest = hashlib.sha256(f"mlm:{self.seed}:{blocks}".encode()).digest()
-        self.inner.generator = torch.Generator().manual_seed(
+        self.collate.inner.generator = torch.Generator().manual_seed(
             int.from_bytes(digest[:8], "big") >> 1)
         return self.collate(features)
 

@@ -194,8 +194,7 @@ def fit(cfg: ExperimentConfig, parts: LoopParts, accelerator, run_dir: Path,
                disable=not accelerator.is_local_main_process, dynamic_ncols=tty,
                mininterval=0.1 if tty else 60.0)
     model.train()
-    patience = tc.early_stopping_patience  # a run that stopped early stays stopped on resume
-    stop = patience is not None and state.evals_without_improvement >= patience
+    stop = _patience_spent(cfg, state)  # a run that stopped early stays stopped on resume
     running, t_start = 0.0, time.perf_counter()
     while state.step < total and not stop:
         batches = epoch_batches(len(parts.train_features), tc.batch_size, cfg.seed,
@@ -279,5 +278,10 @@ def _evaluate(cfg, parts: LoopParts, accelerator, model, state: TrainerState, ru
     else:
         state.evals_without_improvement += 1
     accelerator.wait_for_everyone()
+    return _patience_spent(cfg, state)
+
+
+def _patience_spent(cfg, state: TrainerState) -> bool:
+    """Early stopping: ``early_stopping_patience`` evaluations in a row without improvement."""
     patience = cfg.train.early_stopping_patience
     return patience is not None and state.evals_without_improvement >= patience

@@ -34,5 +34,10 @@ def peak_rss_mb() -> float:
                 return int(line.split()[1]) / 1024  # kB
     except OSError:
         pass
+    return lifetime_peak_rss_mb()
+
+
+def lifetime_peak_rss_mb() -> float:
+    """MiB: the process's resident-set high-water mark since it started (``ru_maxrss``)."""
     unit = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit / 2**20
