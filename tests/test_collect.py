@@ -153,3 +153,17 @@ def test_collect_reads_seeds_in_numeric_order(tmp_path):
         (tmp_path / f"seed-{k}" / "summary.json").write_text("{}")
     assert [p.parent.name for p in _seeds(tmp_path)] == [
         "seed-0", "seed-1", "seed-2", "seed-10", "seed-11"]
+
+
+def test_collect_warns_about_seeds_it_leaves_out(tmp_path):
+    """A seed folder without summary.json (running, or cut) or with an interrupted summary is
+    left out of the row, and collect says which."""
+    from attnlab.recipes.collect import _row
+
+    for k, summary in ((0, _summary(0.4)), (1, None), (2, {**_summary(0.5), "interrupted": True})):
+        (tmp_path / f"seed-{k}").mkdir()
+        if summary is not None:
+            (tmp_path / f"seed-{k}" / "summary.json").write_text(json.dumps(summary))
+    with pytest.warns(UserWarning, match="seed-1, seed-2 left out"):
+        row = _row("v", tmp_path, [])
+    assert row["seeds"] == 1

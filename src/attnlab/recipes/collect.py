@@ -24,6 +24,7 @@ cell and each row's trained share of the backbone, ``matrix.png`` one panel per 
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -55,10 +56,17 @@ def _config_value(folder: Path, key: str) -> Any:
 
 
 def _row(label: str, folder: Path, show: list[str]) -> dict[str, Any]:
-    summaries = [json.loads(p.read_text()) for p in _seeds(folder)]
+    paths = _seeds(folder)
+    summaries = [json.loads(p.read_text()) for p in paths]
     finished = [s for s in summaries if not s.get("interrupted")]
     if not finished:
         raise ConfigError(f"{folder}: no finished run (seed-*/summary.json)")
+    done = {p.parent.name for p, s in zip(paths, summaries, strict=True)
+            if not s.get("interrupted")}
+    left = sorted(d.name for d in folder.glob("seed-*") if d.is_dir() and d.name not in done)
+    if left:
+        warnings.warn(f"{folder}: {', '.join(left)} left out of the table (no summary.json, or "
+                      "interrupted): still running, or resume it with --resume", stacklevel=2)
     row = summarise(label, finished)
     for key in show:
         row[key] = _config_value(folder, key)
