@@ -142,3 +142,9 @@ def test_spec_strings_parse_and_validate():
         resolve_config("linformer(share='layerwise')")
     with pytest.raises(RegistryError, match="k .*must be >= 1"):
         resolve_config("linformer(k=0)")
+
+
+def test_k_not_below_max_len_warns():
+    """k >= max_len does not shorten the keys: say so, with the bound to use."""
+    with pytest.warns(UserWarning, match=f"use k < {MAXLEN}"):
+        build(f"linformer(k={MAXLEN})")

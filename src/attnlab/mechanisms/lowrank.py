@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -72,6 +73,11 @@ class Linformer(nn.Module):
             raise ValueError(
                 "linformer needs HeadDims.max_len: E and F have one column per position"
             )
+        if cfg.k >= dims.max_len:
+            warnings.warn(
+                f"linformer k={cfg.k} >= max_len={dims.max_len}: the projection does not "
+                f"shorten the keys, so this is not low-rank attention; use k < {dims.max_len}",
+                stacklevel=2)
         self.cfg, self.dims = cfg, dims
         shape = (cfg.k, dims.max_len) if cfg.share != "none" else (dims.num_heads, cfg.k,
                                                                      dims.max_len)
