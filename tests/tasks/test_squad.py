@@ -227,3 +227,43 @@ def test_real_squad_labels_recover_the_answers(tokenizer):
     preds = crafted_logits(feats, [[(f["start_positions"], 10.0, -100),
                                     (f["end_positions"], -100, 10.0)] for f in feats])
     assert task.compute_metrics(preds, feats, dev)["exact_match"] > 95.0
+
+
+def test_windows_cover_the_whole_context(tokenizer):
+    """Every character of a long context lies in some window (tokenizers 0.23.1-0.23.2 cut
+    the tail of overflowing pairs, huggingface/tokenizers#2091; this test fails there)."""
+    long_ctx = " ".join(f"word{i} and more text number {i}." for i in range(120))
+    ex = SquadExample(id="long", title="T", context=long_ctx, question="Which word?",
+                      answers=("word119",), answer_starts=(long_ctx.index("word119"),))
+    feats = dataclasses.replace(get_task("squad"), stride=20).encode([ex], tokenizer, 64)
+    assert len(feats) > 10
+    last = max(o[1] for f in feats for o in f["offset_mapping"] if o)
+    assert last == len(long_ctx)
+    assert any(span_text_of(long_ctx, f) == "word119" for f in feats)
+
+
+def span_text_of(ctx: str, f) -> str:
+    o = f["offset_mapping"]
+    return ctx[o[f["start_positions"]][0]:o[f["end_positions"]][1]] if f["start_positions"] else ""
+
+
+class _CutTail:
+    """A tokenizer whose overflowing pair windows stop 10 characters before the context ends
+    (what the tokenizers bug does), for the guard's test."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __call__(self, *args, **kwargs):
+        if kwargs.get("return_overflowing_tokens"):
+            questions, contexts = args
+            return self.inner(questions, [c[:-10] for c in contexts], **kwargs)
+        return self.inner(*args, **kwargs)
+
+
+def test_cut_contexts_are_a_clear_error(tokenizer):
+    with pytest.raises(RuntimeError, match=r"1 of 1 SQuAD contexts lost their end.*>=0.23.3"):
+        TASK.encode([example("pi rho")], _CutTail(tokenizer), MAXLEN)

@@ -163,6 +163,28 @@ def postprocess(examples: Sequence[SquadExample], features: Sequence[Feature],
     return texts, diffs
 
 
+def _check_windows_cover(examples: Sequence[SquadExample], reached: Sequence[int],
+                         tokenizer: Any) -> None:
+    """The windows of each example must reach its context's last token. tokenizers 0.23.1 and
+    0.23.2 stop tokenizing a truncated pair early and drop the tail of long contexts from the
+    overflowing windows (huggingface/tokenizers#2091): fail loudly rather than train and
+    evaluate on cut contexts."""
+    spans = tokenizer([e.context for e in examples], add_special_tokens=False,
+                      return_offsets_mapping=True, verbose=False)["offset_mapping"]
+    short = [i for i, (o, r) in enumerate(zip(spans, reached, strict=True)) if o and r < o[-1][1]]
+    if short:
+        i = short[0]
+        import tokenizers
+
+        raise RuntimeError(
+            f"{len(short)} of {len(examples)} SQuAD contexts lost their end in the tokenizer's "
+            f"overflowing windows (e.g. question {examples[i].id!r}: the windows stop at "
+            f"character {reached[i]} of {spans[i][-1][1]}). tokenizers {tokenizers.__version__} "
+            "drops the tail of truncated pairs (tokenizers 0.23.1-0.23.2, "
+            "huggingface/tokenizers#2091); fix: pip install -U 'tokenizers>=0.23.3'"
+        )
+
+
 @dataclass(frozen=True, kw_only=True)
 class SquadTask:
     """Extractive QA on SQuAD; ``num_labels`` is 2 (start and end logits), as in HF configs."""
@@ -229,11 +251,14 @@ class SquadTask:
         )
         keys = [k for k in enc.keys() if k in MODEL_INPUT_KEYS]
         feats = []
+        reached = [0] * len(examples)  # per example: the last context character a window holds
         for i, offsets in enumerate(enc["offset_mapping"]):
             ex_idx = enc["overflow_to_sample_mapping"][i]
             ex = examples[ex_idx]
             seq = enc.sequence_ids(i)
             ctx = [j for j, s in enumerate(seq) if s == 1]
+            if ctx:
+                reached[ex_idx] = max(reached[ex_idx], offsets[ctx[-1]][1])
             start_pos = end_pos = 0
             if ex.answers and ctx:
                 a0 = ex.answer_starts[0]
@@ -253,6 +278,7 @@ class SquadTask:
             f.update(start_positions=start_pos, end_positions=end_pos, example_index=ex_idx,
                      offset_mapping=spans)
             feats.append(f)
+        _check_windows_cover(examples, reached, tokenizer)
         return feats
 
     def collator(self, tokenizer: Any, seed: int = 0) -> Callable[[list[Feature]], dict]:
