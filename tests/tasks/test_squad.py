@@ -86,9 +86,9 @@ def windows(answer: str, tokenizer):
     return TASK.encode([example(answer)], tokenizer, MAXLEN)
 
 
-def span_text(f) -> str:
+def span_text(f, ctx: str = CTX) -> str:
     o = f["offset_mapping"]
-    return CTX[o[f["start_positions"]][0]:o[f["end_positions"]][1]]
+    return ctx[o[f["start_positions"]][0]:o[f["end_positions"]][1]]
 
 
 def test_labels_for_an_answer_across_the_window_boundary(tokenizer):
@@ -239,12 +239,7 @@ def test_windows_cover_the_whole_context(tokenizer):
     assert len(feats) > 10
     last = max(o[1] for f in feats for o in f["offset_mapping"] if o)
     assert last == len(long_ctx)
-    assert any(span_text_of(long_ctx, f) == "word119" for f in feats)
-
-
-def span_text_of(ctx: str, f) -> str:
-    o = f["offset_mapping"]
-    return ctx[o[f["start_positions"]][0]:o[f["end_positions"]][1]] if f["start_positions"] else ""
+    assert any(f["start_positions"] and span_text(f, long_ctx) == "word119" for f in feats)
 
 
 class _CutTail:
