@@ -129,6 +129,18 @@ def test_masking_is_seeded(masked, tokenizer):
     assert not torch.equal(other["labels"], batch["labels"])
 
 
+def test_masks_do_not_depend_on_what_the_collator_saw_before(masked, tokenizer):
+    """A batch gets the same masks as the first call of a collator and as a later one (a
+    resumed run's first batch is a later batch of the uninterrupted run)."""
+    feats, _, _ = masked
+    first = MLM.collator(tokenizer, seed=0)(feats[:8])
+    warm = MLM.collator(tokenizer, seed=0)
+    warm(feats[8:16])
+    later = warm(feats[:8])
+    assert torch.equal(first["labels"], later["labels"])
+    assert torch.equal(first["input_ids"], later["input_ids"])
+
+
 def test_loss_and_perplexity_by_hand():
     # vocabulary of 4: uniform logits give NLL log 4 per masked token (argmax: id 0)
     logits = torch.zeros(2, 3, 4)

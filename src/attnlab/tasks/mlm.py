@@ -175,7 +175,11 @@ class MlmTask:
         inner = DataCollatorForLanguageModeling(
             tokenizer, mlm_probability=self.mlm_probability,
             mask_replace_prob=self.mask_replace_prob,
-            random_replace_prob=self.random_replace_prob, seed=seed,
+            # seed=None: SeededMasking hands it a generator per batch. Given a seed, the
+            # collator (transformers >= 5.24) replaces any generator set from outside with
+            # one seeded by it on its first call in a process, so a resumed run's first
+            # batch would be masked differently from the uninterrupted run's.
+            random_replace_prob=self.random_replace_prob, seed=None,
         )
         return SeededMasking(KeepKeys(inner, MODEL_INPUT_KEYS | {"special_tokens_mask"}), seed)
 
