@@ -19,8 +19,7 @@ EXPECTED = {
     "adapter": rf".*\.adapter\.(down|up)\.(weight|bias)|.*LayerNorm\.(weight|bias)|{HEAD}",
     "lora": r"base_model\.model\.bert\..*\.(query|value)\.lora_[AB]\.default\.weight"
             r"|base_model\.model\.classifier\.modules_to_save\.default\.(weight|bias)",
-    "prefix": r"prompt_encoder\.default\.embedding\.weight"
-              r"|base_model\.classifier\.modules_to_save\.default\.(weight|bias)",
+    "prefix": rf"bert\.attnlab_prefix\.embedding\.weight|{HEAD}",
     "diff_prune": rf"bert\..*\.parametrizations\.\w+\.0\.(w|log_alpha)|{HEAD}",
 }
 

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from ..core import AttnContext, HeadDims, build_mechanism
+from .prefix import extend_kv
 
 BACKEND = "attnlab"  # the name registered in AttentionInterface / AttentionMaskInterface
 LAYER_ATTR = "attnlab"  # attention-module attribute holding the installed AttnlabLayer
@@ -307,8 +308,12 @@ def attnlab_attention(
         state: dict[str, Any] = {}
     else:
         layer_idx, state = layer.layer_idx, layer.forward_state.state
+    key_mask = key_mask_from_hf(attention_mask, b, m)
+    if layer is None or layer.kv_heads is None:
+        key, value = _expand_kv(key, value, h)
+    key, value, key_mask = extend_kv(module, key, value, key_mask)  # prefix tuning, if any
     ctx = AttnContext(
-        key_mask=key_mask_from_hf(attention_mask, b, m),
+        key_mask=key_mask,
         causal=bool(is_causal),
         layer_idx=layer_idx,
         need_weights=need,
@@ -316,8 +321,6 @@ def attnlab_attention(
         dropout=float(dropout),
         scale=scaling,
     )
-    if layer is None or layer.kv_heads is None:
-        key, value = _expand_kv(key, value, h)
     if layer is None:
         res = _plain_softmax(h, d)(query, key, value, ctx)
         out, probs, missing = res.out, res.probs, ([] if res.probs is not None or not need

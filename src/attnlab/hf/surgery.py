@@ -271,6 +271,17 @@ def _own_config(model: nn.Module) -> None:
             mod.config = new
 
 
+def switch_to_attnlab(model: nn.Module, host: Host) -> None:
+    """Register the "attnlab" attention function and make ``model`` call it (on a config of
+    its own). Heads without installed mechanisms then run plain softmax."""
+    register_backend()
+    _own_config(model)
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(BACKEND)
+    else:
+        host.base.set_attn_implementation(BACKEND)
+
+
 # -------------------------------------------------------------------------------- apply_plan
 
 
@@ -303,8 +314,7 @@ def apply_plan(model: nn.Module, plan: Any, *, max_len: int | None = None) -> Su
     built = _build(plan, host, layers, max_len)
 
     # -- nothing has changed so far; from here on the model is modified --------------------
-    register_backend()
-    _own_config(model)
+    switch_to_attnlab(model, host)
     holder = ForwardState()
     params_added = params_removed = 0
     kv_by_layer: dict[int, int] = {}
@@ -325,10 +335,6 @@ def apply_plan(model: nn.Module, plan: Any, *, max_len: int | None = None) -> Su
         setattr(attn, LAYER_ATTR, new)
         params_added += sum(p.numel() for p in new.parameters())
     install_reset_hook(host.base, holder)
-    if hasattr(model, "set_attn_implementation"):
-        model.set_attn_implementation(BACKEND)
-    else:
-        host.base.set_attn_implementation(BACKEND)
 
     report = SurgeryReport(
         model=type(model).__name__,

@@ -1,11 +1,11 @@
 """Parameter-efficient tuners: which weights of a Hugging Face model train.
 
-``full`` (default), ``pasta``, ``bitfit``, ``adapter``, ``lora`` and ``prefix`` (via peft),
+``full`` (default), ``pasta``, ``bitfit``, ``adapter``, ``lora`` (via peft), ``prefix``,
 ``diff_prune``. Importing this package registers them all; see ``base`` for the protocol
 and ``accounting`` for parameter counts.
 """
 
-from . import adapters, bitfit, diff_prune, full, pasta  # noqa: F401  (register tuners)
+from . import adapters, bitfit, diff_prune, full, pasta, prefix  # noqa: F401  (register tuners)
 from . import peft as _peft  # noqa: F401  (peft itself is imported only when used)
 from .accounting import build_published, count_parameters, format_params, params_report
 from .base import (

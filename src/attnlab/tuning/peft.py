@@ -1,12 +1,12 @@
-"""LoRA and prefix tuning, through the ``peft`` library (not re-implemented).
+"""LoRA through the ``peft`` library (not re-implemented).
 
 - LoRA: Hu, Shen, Wallis, Allen-Zhu, Li, Wang, Wang, Chen, "LoRA: Low-Rank Adaptation of
   Large Language Models", ICLR 2022. W x + (alpha / r) B A x on the targeted projections
   (peft's default for BERT/RoBERTa: query and value), B initialised to zero.
-- Prefix tuning, deep (every layer), as in P-tuning v2: Liu, Ji, Fu, Tam, Du, Yang, Tang,
-  "P-Tuning v2: Prompt Tuning Can Be Comparable to Fine-tuning Universally Across Scales
-  and Tasks", ACL 2022. Each layer's attention sees num_virtual_tokens trained extra keys
-  and values. Prefix length 20 as in the PASTA paper's re-run.
+
+Prefix tuning is attnlab's own (``tuning.prefix``): peft passes the prefix as a key/value
+cache through the host's ``forward``, which transformers 5.24 renamed, so peft 0.21.2
+refuses BERT there.
 
 ``peft.get_peft_model`` wraps the model: ``apply`` returns the wrapper (a ``PeftModel``),
 which the runner must use from then on. The peft task type follows the model's head
@@ -14,13 +14,6 @@ which the runner must use from then on. The peft task type follows the model's h
 ``*ForQuestionAnswering`` -> QUESTION_ANS, a bare encoder -> FEATURE_EXTRACTION); peft then
 keeps the head trainable (``modules_to_save``). Saving and loading use peft's own
 ``get_peft_model_state_dict`` / ``set_peft_model_state_dict``.
-
-Checked here (transformers 5.23, peft 0.21.2): prefix tuning runs with BERT and RoBERTa
-under "eager" and "sdpa" attention; a padded batch gives the same logits as each example
-alone (max difference < 1e-8); gradients reach the prefix. As in the original P-tuning v2
-code, Hugging Face BERT shifts position ids by the prefix length when past key/values are
-given. ``PeftModel.disable_adapter()`` fails for prompt learning on non-generative models
-in peft 0.21.2 (it reads ``prepare_inputs_for_generation``); nothing here uses it.
 """
 
 from __future__ import annotations
@@ -83,20 +76,6 @@ class LoraTunerConfig(TunerConfig):
             raise ValueError("dropout must be in [0, 1)")
 
 
-@dataclass(frozen=True, kw_only=True)
-class PrefixTunerConfig(TunerConfig):
-    """Deep prefix tuning (P-tuning v2) through peft's ``PrefixTuningConfig``."""
-
-    name = "prefix"
-    num_virtual_tokens: int = 20  # prefix length (PASTA paper's re-run of P-tuning v2: 20)
-    prefix_projection: bool = False  # reparametrise the prefix through a 2-layer MLP
-    encoder_hidden_size: int | None = None  # hidden size of that MLP; None: model hidden size
-
-    def __post_init__(self) -> None:
-        if self.num_virtual_tokens < 1:
-            raise ValueError("num_virtual_tokens must be >= 1")
-
-
 def _wrap(model: nn.Module, peft_config) -> nn.Module:
     import peft
 
@@ -131,28 +110,6 @@ def _peft_load(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
         raise KeyError(f"peft did not use {unused[:5]}")
 
 
-def _refuse_token_keyed_plan(model: nn.Module, cfg: PrefixTunerConfig) -> None:
-    """Prefix tuning prepends virtual keys (m = n + prefix); mechanisms that read key j as
-    token j (band, linformer, jat, ...) would then pair query i with the wrong keys."""
-    from attnlab.core.registry import mechanism_class, parse_spec
-    from attnlab.hf.surgery import applied_report
-
-    report = applied_report(model)
-    if report is None:
-        return
-    bad = sorted({(li, parse_spec(spec)[0]) for li, row in enumerate(report.table)
-                  for spec in row
-                  if spec and mechanism_class(parse_spec(spec)[0]).caps.keys_are_tokens})
-    if bad:
-        where = ", ".join(f"{name} in layer {li}" for li, name in bad[:4])
-        raise ValueError(
-            f"prefix tuning adds {cfg.num_virtual_tokens} virtual keys in front of every "
-            f"layer's keys, but the applied plan puts mechanisms that read key j as token j "
-            f"there ({where}{', ...' if len(bad) > 4 else ''}). Use another tuner (pasta, "
-            "lora, adapter, bitfit) with this plan, or keep such mechanisms out of the plan."
-        )
-
-
 class _PeftTuner(RequiresGradTuner):
     """peft keeps its own adapter state (LoRA matrices / prefix + the head's trained copy)."""
 
@@ -176,25 +133,5 @@ class LoraTuner(_PeftTuner):
             task_type=TaskType[peft_task_type(model)], r=cfg.r, lora_alpha=cfg.alpha,
             lora_dropout=cfg.dropout, bias=cfg.bias,
             target_modules=list(cfg.target_modules) if cfg.target_modules else None,
-        )
-        return finish_tuning(_wrap(model, peft_cfg), record)
-
-
-
-@register_tuner(PrefixTunerConfig)
-class PrefixTuner(_PeftTuner):
-    """Prefix tuning via ``peft.get_peft_model(model, PrefixTuningConfig(...))``."""
-
-    def apply(self, model: nn.Module, cfg: PrefixTunerConfig, task: TaskInfo | None = None
-              ) -> nn.Module:
-        from peft import PrefixTuningConfig, TaskType
-
-        _refuse_token_keyed_plan(model, cfg)
-        record = start_tuning(model, cfg)
-        peft_cfg = PrefixTuningConfig(
-            task_type=TaskType[peft_task_type(model)],
-            num_virtual_tokens=cfg.num_virtual_tokens,
-            prefix_projection=cfg.prefix_projection,
-            encoder_hidden_size=cfg.encoder_hidden_size or int(model.config.hidden_size),
         )
         return finish_tuning(_wrap(model, peft_cfg), record)
