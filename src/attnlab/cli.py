@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
@@ -26,11 +28,47 @@ console = Console()
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the embedded model never needs the network
 
 
+_DEBUG = {"on": False}  # --debug: tracebacks instead of one-line errors
+
+
+@app.callback()
+def _options(
+    debug: Annotated[bool, typer.Option(
+        "--debug", help="Show the full traceback of an error instead of one line.")] = False,
+) -> None:
+    _DEBUG["on"] = debug
+
+
 def _fail(message: str) -> None:
     from rich.markup import escape
 
-    console.print(f"[bold red]error:[/] {escape(message)}")
+    lines = str(message).strip().splitlines() or ["(no message)"]
+    console.print(f"[bold red]error:[/] {escape(lines[0])}", soft_wrap=True)
     raise typer.Exit(code=2)
+
+
+def _user_error_types() -> tuple[type[BaseException], ...]:
+    """Errors of use (bad config, data, model, plan, missing package, unwritable folder):
+    one line and exit status 2. Anything else is a bug and keeps its traceback."""
+    from .config import ConfigError
+    from .core import RegistryError
+    from .hf.arch import UnsupportedModelError
+    from .hf.plan import PlanError
+    from .tasks.base import DataFormatError, MissingPackageError
+
+    return (ConfigError, RegistryError, PlanError, UnsupportedModelError, DataFormatError,
+            MissingPackageError, FileNotFoundError, NotADirectoryError, PermissionError)
+
+
+@contextmanager
+def _user_errors() -> Iterator[None]:
+    try:
+        yield
+    except _user_error_types() as e:
+        if _DEBUG["on"]:
+            raise
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)  # no KeyError quotes
+        _fail(str(msg))
 
 
 @app.command("ls")
@@ -48,16 +86,30 @@ def ls(
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
         return
-    table = Table(title=f"attnlab mechanisms ({len(rows)})")
+    console.print(_mechanism_table(rows))
+
+
+def _mechanism_table(rows: list[dict]) -> Table:
+    """The ``attnlab ls`` table, laid out to fit 80 columns: the short fields (name, family,
+    scope, exact, causal) never wrap; the descriptions (complexity, paper) wrap at word
+    boundaries and share whatever width is left, so a wider terminal gives them one line."""
+    from rich import box
+
+    table = Table(title=f"attnlab mechanisms ({len(rows)})", box=box.SIMPLE_HEAD,
+                  show_edge=False, pad_edge=False, padding=(0, 0))
     table.add_column("name", no_wrap=True)
-    for col in ("family", "scope", "complexity", "exact", "causal", "paper"):
-        table.add_column(col)
+    table.add_column("family", no_wrap=True, min_width=8)
+    table.add_column("scope", no_wrap=True)
+    table.add_column("exact", no_wrap=True, min_width=6)
+    table.add_column("causal", no_wrap=True)
+    table.add_column("complexity", overflow="fold", min_width=14, ratio=1)
+    table.add_column("paper", overflow="fold", min_width=15, ratio=1)
     for r in rows:
         table.add_row(
-            r["name"], r["family"], r["scope"], r["complexity"],
-            "yes" if r["exact"] else "no", "yes" if r["causal_ok"] else "no", r["paper"],
+            r["name"], r["family"], r["scope"], "yes" if r["exact"] else "no",
+            "yes" if r["causal_ok"] else "no", r["complexity"], r["paper"],
         )
-    console.print(table)
+    return table
 
 
 @app.command()
@@ -81,7 +133,7 @@ def demo(
         _fail(str(e))
         return
     console.print(report)
-    table = Table(title="embedded all-MiniLM-L6-v2: sentence embeddings vs the untouched model")
+    table = Table(title="embedded all-MiniLM-L6-v2: sentence embeddings vs untouched")
     for col in ("model", "cos mean", "cos min", "ms / batch", "peak MB"):
         table.add_column(col, justify="right" if col != "model" else "left")
     for r in rows:
@@ -127,22 +179,23 @@ def _load(config: str | None, overrides: list[str] | None):
 
 @app.command()
 def validate(config: str, overrides: Overrides = None) -> None:
-    """Check a config (keys, types, plan, tuner) without running it; print it resolved."""
+    """Check a config without running it (keys, types, plan, tuner, that the model takes the
+    plan from its config alone, data, output folder: whatever `run` would refuse); print it
+    resolved."""
     from .config import resolved_yaml, with_optim_defaults
-    from .core import RegistryError
-    from .hf.plan import Plan
-    from .tasks import get_task
-    from .tuning import resolve_tuning
+    from .recipes.preflight import preflight
 
     cfg = _load(config, overrides)
-    try:
-        get_task(cfg.task.name)
-        Plan.parse(cfg.plan) if cfg.plan else None
-        resolve_tuning(cfg.tuning.method)
-    except (RegistryError, ValueError) as e:
-        _fail(str(e))
+    with _user_errors():
+        preflight(cfg, load_data=True)
     console.print(resolved_yaml(with_optim_defaults(cfg)), markup=False)
     console.print("[green]config is valid[/]")
+
+
+Overwrite = Annotated[bool, typer.Option(
+    help="Empty an existing run folder of the same name first (default: write <name>-2, ...).")]
+KeepCheckpoints = Annotated[bool, typer.Option(
+    help="Keep the checkpoints of a finished run (default: deleted; the result stays).")]
 
 
 @app.command()
@@ -150,19 +203,28 @@ def run(
     config: Annotated[str | None, typer.Argument(help="YAML config (see configs/).")] = None,
     overrides: Overrides = None,
     resume: Annotated[bool, typer.Option(help="Continue from the last checkpoint.")] = False,
+    overwrite: Overwrite = False,
+    keep_checkpoints: KeepCheckpoints = False,
 ) -> None:
     """Train and evaluate one config; writes runs/<name>/ (summary.json, metrics.jsonl, ...)."""
-    _run_and_report(_load(config, overrides), resume=resume)
+    _run_and_report(_load(config, overrides), resume, overwrite, keep_checkpoints)
 
 
-def _run_and_report(cfg, resume: bool) -> None:
-    from .config import ConfigError
+def _run_and_report(cfg, resume: bool, overwrite: bool, keep_checkpoints: bool) -> None:
+    from dataclasses import replace
+
     from .recipes.finetune import run_experiment
+    from .recipes.preflight import preflight
+    from .recipes.rundir import fresh_run
 
-    try:
+    if keep_checkpoints:
+        cfg = replace(cfg, train=replace(cfg.train, keep_checkpoints=True))
+    with _user_errors():
+        preflight(cfg)
+        cfg, note = fresh_run(cfg, resume=resume, overwrite=overwrite)
+        if note:
+            console.print(note, markup=False)
         summary = run_experiment(cfg, resume=resume)
-    except ConfigError as e:
-        _fail(str(e))
     if not summary["is_main_process"]:
         return
     table = Table(title=f"{cfg.name}: {summary['task']} ({summary['tuning']})")
@@ -184,14 +246,17 @@ def quickstart(
     data_dir: Annotated[str | None, typer.Option(
         help="CoLA data: a GLUE folder, or 'builtin'. Default: ../shared/data if present."
     )] = None,
+    overwrite: Overwrite = False,
+    keep_checkpoints: KeepCheckpoints = False,
 ) -> None:
     """The main job: fine-tune the embedded MiniLM on CoLA and print the result table."""
     from .recipes.quickstart import quickstart_config
 
-    cfg = quickstart_config(data_dir, overrides)
+    with _user_errors():
+        cfg = quickstart_config(data_dir, overrides)
     console.print(f"[bold]quickstart[/]: CoLA from {cfg.task.data_dir}, "
                   f"{cfg.train.epochs:g} epoch(s), batch {cfg.train.batch_size}")
-    _run_and_report(cfg, resume=False)
+    _run_and_report(cfg, False, overwrite, keep_checkpoints)
 
 
 @app.command("eval")
@@ -202,10 +267,8 @@ def eval_run(
     """Re-evaluate a finished run from its config, plan and tuned weights."""
     from .recipes.finetune import evaluate_run
 
-    try:
+    with _user_errors():
         metrics = evaluate_run(run_dir, data_dir)
-    except FileNotFoundError as e:
-        _fail(str(e))
     typer.echo(json.dumps(metrics, indent=2))
 
 
@@ -228,13 +291,19 @@ def compare(
     )] = None,
     versus: Annotated[str | None, typer.Option(
         help="A variant label (e.g. baseline): add each row's gap to it and Welch's p.")] = None,
+    overwrite: Overwrite = False,
 ) -> None:
     """Run variants over seeds; print and save a table (Markdown, CSV) and a bar plot."""
     from .config import ConfigError
     from .recipes.compare import parse_vary, run_compare, to_markdown
     from .recipes.finetune import run_experiment
+    from .recipes.rundir import fresh_run
 
     cfg = _load(config, overrides)
+    with _user_errors():
+        cfg, note = fresh_run(cfg, resume=resume, overwrite=overwrite)
+        if note:
+            console.print(note, markup=False)
     try:
         if parallel < 1:
             raise ConfigError(f"--parallel {parallel}: give 1 or more runs at a time")
@@ -283,6 +352,14 @@ def collect(
     console.print((out / f"{main}.md").read_text(), markup=False)
     extra = "matrix.md, matrix.png" if matrix else "comparison.png"
     console.print(f"saved {out}/comparison.md, comparison.csv, comparison.json, {extra}")
+
+
+@app.command("env")
+def env() -> None:
+    """Versions of Python, attnlab and its fast-moving dependencies, git commit and device."""
+    from .recipes.rundir import provenance
+
+    typer.echo(json.dumps(provenance(), indent=2))
 
 
 @app.command()

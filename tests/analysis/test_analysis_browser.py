@@ -155,7 +155,10 @@ def _report(path: Path) -> Path:
     info = TokenInfo.from_length(n, tokens=tokens)
     scores = score_heads(maps, [info])
     return build_report(
-        path, title="browser test", config={"seed": 0}, plan=None, metrics={"acc": 0.5},
+        path, title="browser test", config={"seed": 0}, metrics={"acc": 0.5},
+        plan=[{"layers": [1], "heads": [3], "mechanism": "band(window=2)"}],
+        history=[{"step": 1, "epoch": 0, "loss": 0.7}, {"step": 2, "epoch": 0, "loss": 0.6},
+                 {"step": 2, "epoch": 0, "eval": {"acc": 0.5}}],
         scores=scores, classes=classify_heads(scores),
         examples=[{"tokens": tokens, "maps": maps[:, 0]},
                   {"tokens": tokens[:6], "maps": maps[:, 0, :, :6, :6]}],
@@ -212,6 +215,17 @@ def test_report_in_headless_chromium(tmp_path):
         js("document.querySelector('#class-grid td[data-layer=\"1\"][data-head=\"3\"]').click()")
         assert js("document.getElementById('attn-canvas').dataset.layer") == "1"
         assert js("document.getElementById('head-select').value") == "3"
+        # that head is the one the plan replaced: marked in every grid and in the explorer
+        for grid in ("mech-grid", "class-grid", "score-grid"):
+            marked = js(f"[...document.querySelectorAll('#{grid} td.replaced')]"
+                        ".map((td) => td.dataset.layer + ':' + td.dataset.head).join()")
+            assert marked == "1:3", (grid, marked)
+        badge = js("document.getElementById('head-mechanism').textContent")
+        assert badge == "replaced by the plan: band(window=2)"
+        assert "(replaced)" in js("document.getElementById('head-select')"
+                                  ".selectedOptions[0].textContent")
+        assert js("document.getElementById('training-curves').querySelector('img')"
+                  ".naturalWidth") > 300
         shot = cdp.send("Page.captureScreenshot", {"format": "png", "captureBeyondViewport": True},
                         session=sid)
         png = tmp_path / "report.png"

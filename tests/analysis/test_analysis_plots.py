@@ -58,3 +58,13 @@ def test_bad_plot_inputs():
         plots.attention_map(torch.rand(4, 4), ["a", "b", "c"])
     with pytest.raises(ValueError, match="differ in shape"):
         plots.compare_class_maps(CLASSES, CLASSES[:1])
+
+
+def test_class_map_hatches_the_replaced_heads():
+    replaced = [[None, "band(window=2)", None], [None, None, None]]
+    fig = plots.class_map(CLASSES, replaced=replaced)
+    hatched = [p for p in fig.axes[0].patches if p.get_hatch()]
+    assert [(p.get_x(), p.get_y()) for p in hatched] == [(0.5, -0.5)]  # layer 0, head 1
+    assert "replaced by the plan" in [t.get_text() for t in fig.legends[0].get_texts()]
+    with pytest.raises(ValueError, match="2 x 3 table"):
+        plots.class_map(CLASSES, replaced=[[None]])

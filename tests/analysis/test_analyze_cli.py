@@ -207,7 +207,7 @@ def test_report_from_a_sample_then_from_the_analysis(runs, tmp_path):
     text, data = _report_data(run / "report.html")
     assert "computed now on a sample: 4 examples of cola dev from builtin" in _text(res)
     assert (data["layers"], data["heads"]) == (2, 2) and len(data["examples"]) == 4
-    assert "attnlab run rb: cola (full)" in text and "best_metric" in text
+    assert "attnlab run rb: cola (full)" in text and "best dev mcc" in text
     assert not (run / "analysis").exists()  # the sample is not saved as an analysis
 
     _invoke(["analyze", "heads", run, "--text-file", runs[2], "--heads", "1:1"])
@@ -218,6 +218,32 @@ def test_report_from_a_sample_then_from_the_analysis(runs, tmp_path):
     assert data["classes"] == saved["classes"]
     assert data["examples"][0]["tokens"][0] == "[CLS]" and len(data["examples"]) == 4
     assert "average map, head_L1_H1" in text
+
+
+@pytest.mark.parametrize("old_plan_form", [False, True])
+def test_report_of_a_run_draws_its_curves_and_marks_its_plan(runs, tmp_path, old_plan_form):
+    import shutil
+
+    run = tmp_path / "ra"
+    shutil.copytree(runs[0], run, ignore=shutil.ignore_patterns("analysis", "checkpoints"))
+    if old_plan_form:  # runs before provenance: the plan a JSON string inside the JSON
+        summary = json.loads((run / "summary.json").read_text())
+        text = json.dumps({"plan": [{"layers": [0], "heads": "all",
+                                     "mechanism": {"name": "band", "window": 2}}]})
+        summary["plan"] = text
+        for key in ("status", "attnlab_version", "git_commit", "versions", "device",
+                    "started", "finished", "wall_seconds", "surgery"):
+            summary.pop(key, None)
+        (run / "summary.json").write_text(json.dumps(summary))
+        (run / "plan.json").write_text(json.dumps(text))
+    _invoke(["report", run, "--sample", "2"])
+    text, data = _report_data(run / "report.html")
+    assert 'id="training-curves"' in text and data["history"]["loss"]  # metrics.jsonl
+    assert "1 logged loss values, 1 evaluations (cola, scratch:tiny)" in text
+    assert data["replaced"] == [["band(window=2)"] * 2, [None, None]]
+    for group in ("metrics-task", "metrics-cost", "metrics-attention"):
+        assert f'id="{group}"' in text
+    assert "time per optimizer step (s)" in text and "2 of 4" in text
 
 
 @pytest.mark.parametrize(("args", "message"), [

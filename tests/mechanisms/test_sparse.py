@@ -463,4 +463,4 @@ def test_scaling_plot_draws_both_panels_and_skips_missing_points(tmp_path):
     assert not list(out.parent.glob(".*tmp*"))  # written via a temporary file
     import matplotlib.image
 
-    assert matplotlib.image.imread(out).shape[1] == 1200  # 10 in x 120 dpi, two panels
+    assert matplotlib.image.imread(out).shape[1] == 1320  # 11 in x 120 dpi, two panels

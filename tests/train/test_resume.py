@@ -52,8 +52,7 @@ def test_run_dir_contents(runs):
     assert [r["step"] for r in lines if "eval" in r] == [2, 4, 6]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["params"]["trainable_total"] > 0 and summary["seconds_per_step"] > 0
-    ckpts = list((run / "checkpoints").iterdir())
-    assert len(ckpts) == 1 and not any(p.name.startswith(".") for p in ckpts)
+    assert not (run / "checkpoints").exists()  # a finished run keeps its result only
 
 
 def test_resumed_metrics_log_has_no_duplicates(runs):

@@ -1,5 +1,5 @@
 """Head analysis: token info (tokens), scorers and classifier (heads), figures (plots),
-tables and report (report).
+tables and report (report), a run folder as the report reads it (runfiles).
 
 Importing this package loads torch only; matplotlib loads when a figure is first drawn
 (``from attnlab.analysis import plots``, or ``build_report``).
@@ -25,6 +25,7 @@ from .heads import (
     score_heads,
 )
 from .report import build_report, example_maps, read_json, to_csv, to_json, write_atomic
+from .runfiles import metric_groups, plan_rules, read_history, replaced_heads
 from .tokens import TokenInfo, token_infos
 
 __all__ = [
@@ -46,7 +47,11 @@ __all__ = [
     "classify_heads",
     "classify_shares",
     "example_maps",
+    "metric_groups",
+    "plan_rules",
+    "read_history",
     "read_json",
+    "replaced_heads",
     "register_scorer",
     "score_heads",
     "to_csv",

@@ -119,23 +119,42 @@ def _draw_classes(ax: Any, idx: np.ndarray, *, letters: bool = True) -> None:
     _grid_axes(ax, *idx.shape)
 
 
-def _class_legend(fig: Figure, loc: str, names: Sequence[str]) -> None:
+def _class_legend(fig: Figure, loc: str, names: Sequence[str],
+                  extra: Sequence[Patch] = ()) -> None:
     handles = [
         Patch(facecolor=CLASS_COLORS[c], edgecolor="black", label=f"{CLASS_ABBREV[c]} {c}")
         for c in names
-    ]
+    ] + list(extra)
     ncols = len(handles) if loc.endswith("center") else 1
     fig.legend(handles=handles, loc=loc, ncols=ncols, fontsize=7)
 
 
-def class_map(classes: Sequence[Sequence[str]], *, title: str | None = None) -> Figure:
-    """Grid of heads coloured (and lettered) by class, with a legend."""
+def class_map(
+    classes: Sequence[Sequence[str]],
+    *,
+    title: str | None = None,
+    replaced: Sequence[Sequence[str | None]] | None = None,
+) -> Figure:
+    """Grid of heads coloured (and lettered) by class, with a legend.
+
+    ``replaced``: an L x H table, the mechanism a plan put into each head (None where the
+    head kept softmax attention); those heads are hatched and outlined."""
     idx = _check_classes(classes)
     L, H = idx.shape
     fig = _figure(0.45 * H + 3.4, 0.4 * L + 1.4)
     ax = fig.add_subplot()
     _draw_classes(ax, idx)
-    _class_legend(fig, "outside right upper", class_names(classes))
+    extra = []
+    if replaced is not None:
+        if len(replaced) != L or any(len(r) != H for r in replaced):
+            raise ValueError(f"replaced must be a {L} x {H} table like the classes")
+        for (l, h), _ in np.ndenumerate(idx):
+            if replaced[l][h]:
+                ax.add_patch(Rectangle((h - 0.5, l - 0.5), 1, 1, fill=False, hatch="///",
+                                       edgecolor="black", linewidth=1.2))
+        extra = [Patch(facecolor="white", edgecolor="black", hatch="///",
+                       label="replaced by the plan")]
+    _class_legend(fig, "outside right upper", class_names(classes), extra)
     if title:
         ax.set_title(title)
     return fig
@@ -240,6 +259,112 @@ def compare_class_maps(
     _class_legend(fig, "outside lower center", class_names([*a, *b]))
     if title:
         fig.suptitle(title)
+    return fig
+
+
+# ----------------------------------------------------------------------------- training
+
+# What a dev metric's number means, for axis labels (the task runners' conventions: SQuAD
+# reports percentages, every other score is a fraction or a correlation).
+METRIC_UNITS: dict[str, str] = {
+    "mcc": "Matthews corr., -1 to 1",
+    "accuracy": "fraction correct, 0-1",
+    "f1": "0-1",
+    "combined_score": "mean of F1 and accuracy, 0-1",
+    "pearson": "linear corr., -1 to 1",
+    "spearman": "rank corr., -1 to 1",
+    "precision": "0-1",
+    "recall": "0-1",
+    "perplexity": "exp(nats per masked token)",
+    "loss": "nats per masked token",
+    "exact_match": "%",
+}
+
+
+def metric_unit(metric: str, task: str | None = None) -> str:
+    """The unit of a dev metric (``"dev/f1"`` and ``"PER_f1"`` count as ``f1``)."""
+    base = metric.rsplit("/", 1)[-1]
+    if task == "squad" and (base == "f1" or base.endswith(("_f1", "_exact"))):
+        return "%"
+    for short in (base, base.rsplit("_", 1)[-1], base.split()[-1] if base.split() else base):
+        if short in METRIC_UNITS:  # "PER_f1", "entity f1" -> f1
+            return METRIC_UNITS[short]
+    return "score"
+
+
+def _history_points(history: Sequence[Any]) -> tuple[list[tuple[int, float]],
+                                                     dict[str, list[tuple[int, float]]],
+                                                     list[tuple[int, int]]]:
+    """metrics.jsonl records -> (loss points, {metric: eval points}, (step, epoch) pairs)."""
+    loss: list[tuple[int, float]] = []
+    evals: dict[str, list[tuple[int, float]]] = {}
+    epochs: list[tuple[int, int]] = []
+    for rec in history:
+        step = rec.get("step")
+        if not isinstance(step, (int, float)):
+            continue
+        if isinstance(rec.get("epoch"), (int, float)):
+            epochs.append((int(step), int(rec["epoch"])))
+        if isinstance(rec.get("loss"), (int, float)):
+            loss.append((int(step), float(rec["loss"])))
+        for k, v in (rec.get("eval") or {}).items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                evals.setdefault(k, []).append((int(step), float(v)))
+    return loss, evals, epochs
+
+
+def training_curves(
+    history: Sequence[Any],
+    *,
+    task: str,
+    model: str,
+    main_metric: str | None = None,
+    loss_unit: str = "cross-entropy, nats",
+    greater_is_better: bool = True,
+) -> Figure:
+    """Training loss per logged step and the dev metric per evaluation, side by side.
+
+    ``history``: the run's ``metrics.jsonl`` records, ``{"step", "epoch", "loss", "lr"}``
+    and ``{"step", "epoch", "eval": {metric: value}}``. The dev panel shows ``main_metric``
+    (default: the first metric of the first evaluation) and marks its best evaluation.
+    Each y axis names the task, the model and the unit, and is scaled to the data (never
+    forced to start at zero). The loss is the logged step's own batch loss (plus any
+    regulariser the run adds), so it is noisy by nature.
+    """
+    loss, evals, _ = _history_points(history)
+    if not loss and not evals:
+        raise ValueError("training_curves: the history has no loss and no eval records")
+    if main_metric is None or main_metric not in evals:
+        main_metric = next(iter(evals), None)
+    panels = int(bool(loss)) + int(main_metric is not None)
+    fig = _figure(5.2 * panels + 0.4, 3.6)
+    axes = fig.subplots(1, panels, squeeze=False)[0]
+    where = f"{task}, {model}"
+    k = 0
+    if loss:
+        ax = axes[k]
+        k += 1
+        xs, ys = zip(*loss, strict=True)
+        ax.plot(xs, ys, color="#0072B2", linewidth=1.0, marker="." if len(xs) <= 60 else None)
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel(f"training loss ({loss_unit})")
+        ax.set_title(f"training loss: {where}", fontsize=10)
+        ax.grid(alpha=0.3)
+    if main_metric is not None:
+        ax = axes[k]
+        pts = evals[main_metric]
+        xs, ys = zip(*pts, strict=True)
+        ax.plot(xs, ys, color="#D55E00", marker="o", markersize=4, linewidth=1.2)
+        best = (max if greater_is_better else min)(range(len(ys)), key=ys.__getitem__)
+        ax.plot([xs[best]], [ys[best]], marker="*", markersize=12, color="#D55E00",
+                markeredgecolor="black", linestyle="none",
+                label=f"best {ys[best]:.4f} at step {xs[best]}")
+        ax.legend(fontsize=8, loc="best")
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel(f"dev {main_metric} ({metric_unit(main_metric, task)})")
+        ax.set_title(f"dev {main_metric} per evaluation: {where}", fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     return fig
 
 

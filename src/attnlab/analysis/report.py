@@ -3,9 +3,19 @@
 The report is a single self-contained HTML file: figures are PNG data URIs, data is inline
 JSON, the JS and CSS come from ``templates/`` and are inlined, and a Content-Security-Policy
 forbids every fetch, so it opens offline from file:// or as a mail attachment and cannot leak
-a request. It shows the run's config and plan, its metrics, layer x head grids of the
-classes and of every score, and a head explorer: choose an example, a layer and a head, and
-see the attention map as a heatmap and as bertviz-style token-to-token lines.
+a request. It shows the run's config, plan and provenance, its training curves (loss per
+logged step, dev metric per evaluation, from ``metrics.jsonl``), its metrics in three groups
+(task metrics; cost: time per step, peak memory, parameters; attention statistics), layer x
+head grids of the classes, of every score and of the plan's mechanisms (the heads the plan
+replaced are marked in every grid and in the explorer), and a head explorer: choose an
+example, a layer and a head, and see the attention map as a heatmap and as bertviz-style
+token-to-token lines.
+
+Run files are read in both of their forms: ``plan.json`` / summary ``"plan"`` as a JSON
+string of ``{"plan": [...]}`` (runs before the provenance change) or as the list itself
+(or ``{"plan": [...]}``); provenance keys (``attnlab_version``, ``git_commit``,
+``versions``, ``device``, ``started``, ``finished``, ``wall_seconds``, ``status``) are
+shown when the summary has them.
 
 File size: each example stores L * H * n * n weights as integers in thousandths (3
 decimals), about 3 bytes each; the defaults (4 examples, <= 48 tokens, 6 x 12 heads) keep a
@@ -40,6 +50,17 @@ from .heads import (
     class_names,
     layer_list,
 )
+from .runfiles import (
+    PROVENANCE_KEYS,
+    attention_rows,
+    flatten,
+    label_of,
+    mechanism_labels,
+    metric_groups,
+    plan_rules,
+    replaced_heads,
+    shown,
+)
 
 MAX_REPORT_WEIGHTS = 4_000_000  # inline weights above this make a report too heavy to open
 
@@ -71,7 +92,7 @@ def write_atomic(path: str | os.PathLike[str], data: str | bytes) -> Path:
 
 
 def _num(x: float) -> float | None:
-    return None if math.isnan(x) else round(x, 6)
+    return round(x, 6) if math.isfinite(x) else None
 
 
 def _table_shape(scores: Mapping[str, Tensor]) -> tuple[int, int]:
@@ -142,6 +163,82 @@ def to_csv(
     return write_atomic(path, buf.getvalue())
 
 
+# ----------------------------------------------------------------------------- metric groups
+
+_GROUP_TITLES = {
+    "task": ("Task metrics", "dev-set results of the run; model selection by the main metric"),
+    "cost": ("Cost", "time per step, peak memory, parameters"),
+    "attention": ("Attention statistics", "the head analysis below, in numbers"),
+    "run": ("Run", ""),
+}
+
+
+def _metrics_html(groups: Mapping[str, Sequence[tuple[str, str]]]) -> str:
+    if not any(groups.values()):
+        return '<p class="empty">No metrics given.</p>'
+    parts = []
+    for key, (title, help_text) in _GROUP_TITLES.items():
+        rows = groups.get(key) or []
+        body = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>"
+                       for k, v in rows) or '<tr><td class="empty">none recorded</td></tr>'
+        helper = f'<p class="help">{html.escape(help_text)}</p>' if help_text else ""
+        parts.append(f'<div class="metric-group" id="metrics-{key}"><h3>{title}</h3>{helper}'
+                     f'<table class="metrics">{body}</table></div>')
+    return f'<div class="metric-groups">{"".join(parts)}</div>'
+
+
+def _provenance_html(prov: Mapping[str, Any]) -> str:
+    if not prov:
+        return ""
+    rows = "".join(f"<tr><th>{html.escape(label_of(k, ''))}</th><td>{html.escape(shown(v))}"
+                   "</td></tr>" for k, v in flatten(prov))
+    return (f'<details open><summary>Provenance</summary><table class="metrics" '
+            f'id="provenance">{rows}</table></details>')
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def _training_html(history: Sequence[Mapping[str, Any]], *, task: str, model: str,
+                   main_metric: str | None, loss_unit: str, greater_is_better: bool) -> str:
+    if not history:
+        return '<p class="empty">No training history (metrics.jsonl) given.</p>'
+    from .plots import training_curves
+
+    try:
+        fig = training_curves(history, task=task, model=model, main_metric=main_metric,
+                              loss_unit=loss_unit, greater_is_better=greater_is_better)
+    except ValueError:
+        return '<p class="empty">The training history has no loss and no eval records.</p>'
+    n_loss = sum(1 for r in history if isinstance(r.get("loss"), (int, float)))
+    evals = [r for r in history if isinstance(r.get("eval"), Mapping)]
+    caption = (f"training curves: {n_loss} logged loss values, {len(evals)} evaluations "
+               f"({task}, {model})")
+    parts = [f'<figure class="static" id="training-curves"><img alt="training curves" '
+             f'src="{_data_uri(fig)}"><figcaption>{html.escape(caption)}</figcaption></figure>']
+    if evals:
+        names = list(dict.fromkeys(k for r in evals for k in r["eval"]))
+        head = "".join(f"<th>{html.escape(n)}</th>" for n in names)
+        body = "".join(
+            f"<tr><td>{r.get('step', '')}</td><td>{r.get('epoch', '')}</td>"
+            + "".join(f"<td>{html.escape(shown(r['eval'].get(n)))}</td>" for n in names)
+            + "</tr>" for r in evals)
+        parts.append(f'<details><summary>Evaluations ({len(evals)})</summary>'
+                     f'<table class="metrics" id="evaluations"><tr><th>step</th><th>epoch</th>'
+                     f'{head}</tr>{body}</table></details>')
+    return "".join(parts)
+
+
+def _history_data(history: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Compact curves for the inline JSON: loss [[step, value]], eval [[step, {...}]]."""
+    loss = [[r["step"], _num(float(r["loss"]))] for r in history
+            if isinstance(r.get("loss"), (int, float)) and "step" in r]
+    evals = [[r["step"], {k: (_num(float(v)) if isinstance(v, (int, float)) else None)
+                          for k, v in r["eval"].items()}]
+             for r in history if isinstance(r.get("eval"), Mapping) and "step" in r]
+    return {"loss": loss, "eval": evals}
+
+
 # ----------------------------------------------------------------------------- the report
 
 
@@ -157,25 +254,6 @@ def _script_json(obj: Any) -> str:
 
 def _pretty(obj: Any) -> str:
     return html.escape(json.dumps(obj, indent=2, default=str, sort_keys=False))
-
-
-def _flatten(obj: Any, prefix: str = "") -> list[tuple[str, Any]]:
-    if isinstance(obj, Mapping):
-        out: list[tuple[str, Any]] = []
-        for k, v in obj.items():
-            out += _flatten(v, f"{prefix}.{k}" if prefix else str(k))
-        return out
-    return [(prefix, obj)]
-
-
-def _metrics_html(metrics: Mapping[str, Any] | None) -> str:
-    if not metrics:
-        return '<p class="empty">No metrics given.</p>'
-    rows = []
-    for key, val in _flatten(metrics):
-        shown = f"{val:.4g}" if isinstance(val, float) else json.dumps(val, default=str)
-        rows.append(f"<tr><th>{html.escape(key)}</th><td>{html.escape(shown)}</td></tr>")
-    return f'<table class="metrics">{"".join(rows)}</table>'
 
 
 def _data_uri(item: Any) -> str:
@@ -257,6 +335,12 @@ def build_report(
     figures: Mapping[str, Any] | None = None,
     max_examples: int = 4,
     max_tokens: int = 48,
+    surgery: Mapping[str, Any] | None = None,
+    history: Sequence[Mapping[str, Any]] = (),
+    provenance: Mapping[str, Any] | None = None,
+    task: str | None = None,
+    model: str | None = None,
+    loss_unit: str = "cross-entropy, nats",
 ) -> Path:
     """Write one self-contained HTML report; returns its path.
 
@@ -265,12 +349,25 @@ def build_report(
     real tokens; the first ``max_examples`` are kept, each shown up to ``max_tokens`` tokens.
     ``figures``: extra name -> matplotlib Figure or .png/.svg path; the class map and the
     per-layer class counts are added when ``classes`` is given.
+    ``plan`` (any saved form, see :func:`plan_rules`) and ``surgery`` (a SurgeryReport dict)
+    mark the replaced heads; ``history``: the ``metrics.jsonl`` records, drawn as training
+    curves whose axes name ``task`` and ``model`` (default: from ``metrics`` and ``config``)
+    and the loss's ``loss_unit``. ``metrics`` (a run summary) is shown in groups;
+    its provenance keys, or ``provenance``, go to the Run section.
     """
     if not scores:
         raise ValueError("build_report needs at least one score table (scores={...})")
     shape = _table_shape(scores)
     if classes is not None:
         _check_class_table(classes, shape)
+    metrics = dict(metrics or {})
+    prov = dict(provenance) if provenance is not None else {
+        k: metrics[k] for k in PROVENANCE_KEYS if k in metrics}
+    replaced = replaced_heads(shape, surgery=surgery, plan=plan)
+    rules = plan_rules(plan)
+    cfg = config if isinstance(config, Mapping) else {}
+    task = task or str(metrics.get("task") or (cfg.get("task") or {}).get("name") or "task")
+    model = model or str((cfg.get("model") or {}).get("name") or "model")
     kept = list(examples)[:max_examples]
     ex_data = [_example_data(ex, shape, max_tokens, k) for k, ex in enumerate(kept)]
     n_weights = sum(len(e["maps"]) for e in ex_data)
@@ -283,7 +380,8 @@ def build_report(
     if classes is not None:
         from .plots import class_count_bars, class_map
 
-        all_figures["head classes"] = class_map(classes)
+        all_figures["head classes"] = class_map(classes, replaced=replaced if replaced and any(
+            any(r) for r in replaced) else None)
         all_figures["classes per layer"] = class_count_bars(classes)
     all_figures.update(figures or {})
     data = {
@@ -296,18 +394,31 @@ def build_report(
         "classNames": class_names(classes) if classes is not None else list(HEAD_CLASSES),
         "classCounts": class_counts(classes) if classes is not None else None,
         "examples": ex_data,
+        "replaced": replaced,
+        "mechanisms": mechanism_labels(replaced) if replaced else {},
+        "history": _history_data(history),
     }
     from .plots import CLASS_ABBREV, CLASS_COLORS
 
     data["classColors"] = CLASS_COLORS
     data["classAbbrev"] = CLASS_ABBREV
+    attention = attention_rows(scores, classes, replaced)
+    if surgery and "surgery" not in metrics:  # the plan's parameter cost, under Cost
+        metrics["surgery"] = {k: surgery[k] for k in ("params_added", "params_removed")
+                              if k in surgery}
+    shown_plan = rules if rules else plan  # a plan saved as a JSON string, shown as JSON
     values = {
         "TITLE": html.escape(title),
         "CSS": _template("report.css"),
         "JS": _template("report.js"),
         "CONFIG": _pretty(config) if config else "(no config given)",
-        "PLAN": _pretty(plan) if plan else "(no plan: every head is softmax attention)",
-        "METRICS": _metrics_html(metrics),
+        "PLAN": _pretty(shown_plan) if shown_plan else "(no plan: every head is softmax "
+                                                        "attention)",
+        "PROVENANCE": _provenance_html(prov),
+        "TRAINING": _training_html(
+            history, task=task, model=model, main_metric=metrics.get("main_metric"),
+            loss_unit=loss_unit, greater_is_better=bool(metrics.get("greater_is_better", True))),
+        "METRICS": _metrics_html(metric_groups(metrics, attention)),
         "FIGURES": _figures_html(all_figures),
         "DATA": _script_json(data),
     }

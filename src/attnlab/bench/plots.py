@@ -11,26 +11,39 @@ from pathlib import Path
 from typing import Any
 
 
-def scaling_plot(rows: list[dict[str, Any]], path: str | Path, title: str = "") -> Path:
-    """Write a two-panel PNG (fwd+bwd time, peak memory vs n) for benchmark ``rows``."""
+def scaling_plot(rows: list[dict[str, Any]], path: str | Path, title: str = "",
+                 subject: str | None = None) -> Path:
+    """Write a two-panel PNG (fwd+bwd time, peak memory vs n) for benchmark ``rows``.
+
+    ``subject`` names what was measured (the workload and its shape, e.g. "one JAT layer,
+    6 heads x 64, batch 8"); each panel's title carries it, so each axis is labelled with
+    what ran and its unit. Default: from the rows' kind (``bench jat``: "form" rows, or
+    ``bench sparse``: "method" rows)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     key = "method" if "method" in rows[0] else "form"
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    panels = (("fwdbwd_ms", "forward + backward (ms)"), ("peak_mem_mb", "peak memory (MB)"))
-    for ax, (field, label) in zip(axes, panels, strict=True):
+    if subject is None:
+        subject = ("one JAT layer: official n^3 form vs efficient" if key == "form"
+                   else "one attention layer: dense SDPA vs sparse pattern")
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    panels = (("fwdbwd_ms", "forward + backward time (ms, log scale)", "time"),
+              ("peak_mem_mb", "peak memory (MB, log scale)", "peak memory"))
+    for ax, (field, label, what) in zip(axes, panels, strict=True):
+        ax.set_title(f"{what}: {subject}", fontsize=9)
         for name in dict.fromkeys(r[key] for r in rows):
             pts = [(r["n"], r[field]) for r in rows
                    if r[key] == name and r.get(field) is not None and r[field] > 0]
+            skipped = [r["n"] for r in rows if r[key] == name and r.get(field) is None]
             if pts:
                 xs, ys = zip(*sorted(pts), strict=True)
-                ax.plot(xs, ys, "o-", label=name)
+                gone = f" (not run at n = {', '.join(map(str, skipped))})" if skipped else ""
+                ax.plot(xs, ys, "o-", label=name + gone)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_xlabel("sequence length n")
+        ax.set_xlabel("sequence length n (tokens, log scale)")
         ax.set_ylabel(label)
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend(fontsize=8)

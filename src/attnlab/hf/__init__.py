@@ -6,11 +6,14 @@ arch     where each model family keeps its self-attention modules
 surgery  apply_plan(model, plan) -> SurgeryReport
 saving   save_pretrained / load_pretrained with the plan
 capture  capture_attention(model, batch) -> AttentionCache
+fused    fused-QKV hosts (ModernBERT) and local (sliding-window) layers
+check    check_model_config(model, plan): refuse from the config what run would refuse
 """
 
 from .arch import Host, UnsupportedModelError, inspect_model
 from .backend import AttnlabLayer, attnlab_attention, aux_loss, register_backend
 from .capture import AttentionCache, capture_attention
+from .check import check_model_config
 from .plan import Plan, PlanError, Rule
 from .saving import load_pretrained, save_pretrained
 from .surgery import SurgeryError, SurgeryReport, applied_report, apply_plan
@@ -30,6 +33,7 @@ __all__ = [
     "attnlab_attention",
     "aux_loss",
     "capture_attention",
+    "check_model_config",
     "inspect_model",
     "load_pretrained",
     "register_backend",

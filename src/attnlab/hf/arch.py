@@ -3,14 +3,16 @@
 ``inspect_model(model) -> Host`` finds, in layer order, the self-attention modules whose
 forward calls ``ALL_ATTENTION_FUNCTIONS.get_interface(...)`` (so the "attnlab" function can
 take over), with head count, head dim, maximum positions, the names of the Q/K/V
-projections and whether the model is causal.
+projections (or of the one fused Q/K/V projection), whether the model is causal, and the
+window of each local (sliding-window) layer.
 
 Known families are listed in ``FAMILIES`` (BERT, RoBERTa, ELECTRA, DistilBERT and the
-BERT-layout clones). Any other model that routes its attention through the interface is
-handled generically when its self-attention modules can be found by their projection
-names (``query/key/value``, ``q_lin/k_lin/v_lin`` or ``q_proj/k_proj/v_proj``) and there is
-one per hidden layer. Models known not to route through the interface get an error that
-says so.
+BERT-layout clones; ModernBERT with its fused ``Wqkv``, see :mod:`attnlab.hf.fused`). Any
+other model that routes its attention through the interface is handled generically when its
+self-attention modules can be found by their projection names (``query/key/value``,
+``q_lin/k_lin/v_lin``, ``q_proj/k_proj/v_proj``, or a fused ``Wqkv`` / ``qkv_proj``) and
+there is one per hidden layer. Models known not to route through the interface get an error
+that says so.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from dataclasses import dataclass
 
 from torch import nn
 from transformers import PreTrainedModel
+
+from .fused import FUSED_NAMES, layer_windows
 
 
 class UnsupportedModelError(TypeError):
@@ -50,6 +54,8 @@ FAMILIES: dict[str, Family] = {
     "roberta-prelayernorm": _BERT_LAYOUT,
     "distilbert": Family("SelfAttention", ("q_lin", "k_lin", "v_lin"), "n_heads",
                          "attention_head_size"),
+    # fused Wqkv, RoPE applied before the interface, alternating local/global layers
+    "modernbert": Family("Attention", ("Wqkv", "Wqkv", "Wqkv"), "num_heads", "head_dim"),
 }
 
 _OWN_ATTENTION = (
@@ -69,7 +75,7 @@ UNSUPPORTED: dict[str, str] = {
 }
 
 _PROJ_TRIPLES = (("query", "key", "value"), ("q_lin", "k_lin", "v_lin"),
-                 ("q_proj", "k_proj", "v_proj"))
+                 ("q_proj", "k_proj", "v_proj"), *((f, f, f) for f in FUSED_NAMES))
 
 
 @dataclass(frozen=True)
@@ -83,8 +89,10 @@ class Host:
     num_heads: int  # h (query heads)
     head_dim: int  # d
     max_len: int | None  # config.max_position_embeddings
-    proj: tuple[str, str, str]  # Q, K, V projection attribute names
+    proj: tuple[str, str, str]  # Q, K, V projection attribute names (fused: one name x3)
     causal: bool
+    fused: bool = False  # one fused Q/K/V projection (proj = its name 3 times): never shrunk
+    windows: tuple[int | None, ...] = ()  # per layer: one-sided local window w, None = global
 
     @property
     def num_layers(self) -> int:
@@ -183,7 +191,8 @@ def inspect_model(model: nn.Module) -> Host:
             f"found no self-attention modules in {type(model).__name__} "
             f"(model_type {model_type!r}); supported: {', '.join(sorted(FAMILIES))}, and other "
             "models whose attention routes through transformers' AttentionInterface with "
-            "query/key/value, q_lin/k_lin/v_lin or q_proj/k_proj/v_proj projections"
+            "query/key/value, q_lin/k_lin/v_lin or q_proj/k_proj/v_proj projections, or a "
+            f"fused {'/'.join(FUSED_NAMES)} projection"
         )
     n_layers = getattr(config, "num_hidden_layers", getattr(config, "n_layers", None))
     if family is None and n_layers is not None and len(attn) != n_layers:
@@ -213,4 +222,6 @@ def inspect_model(model: nn.Module) -> Host:
         max_len=int(max_len) if max_len else None,
         proj=proj,
         causal=causal,
+        fused=proj[0] == proj[1],
+        windows=layer_windows(attn, config),
     )

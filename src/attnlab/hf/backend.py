@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from ..core import AttnContext, HeadDims, build_mechanism
+from .fused import LOCAL_PATTERN, local_pattern, run_mechanism
 from .prefix import extend_kv
 
 BACKEND = "attnlab"  # the name registered in AttentionInterface / AttentionMaskInterface
@@ -165,11 +166,11 @@ class AttnlabLayer(nn.Module):
             if not mech.caps.key_mask_ok and ctx.key_mask is not None:
                 _warn_key_mask(mech.cfg.name, ctx.key_mask)
             if self.whole:
-                res = mech(q, k, v, ctx)
+                res = run_mechanism(mech, q, k, v, ctx)
             else:
                 idx = getattr(self, f"heads_{i}")
-                res = mech(q.index_select(1, idx), k.index_select(1, idx),
-                           v.index_select(1, idx), ctx)
+                res = run_mechanism(mech, q.index_select(1, idx), k.index_select(1, idx),
+                                    v.index_select(1, idx), ctx)
             outs.append(res.out)  # [b,hg,n,d]
             if res.probs is None:
                 missing.append(mech.cfg.name)
@@ -291,7 +292,9 @@ def attnlab_attention(
 
     Returns (out [b,n,h,d] contiguous, probs [b,h,n,m] or None). ``kwargs`` is the host's
     pass-through (``output_attentions``, ``is_causal``, ``position_ids``, ...); only
-    ``output_attentions`` and ``is_causal`` are read, the rest concern other backends.
+    ``output_attentions``, ``is_causal`` and ``sliding_window`` are read, the rest concern
+    other backends. On a local layer (``sliding_window`` given, e.g. ModernBERT's) the 4-D
+    mask is kept as ``ctx.extras[LOCAL_PATTERN]``: see :mod:`attnlab.hf.fused`.
     Probabilities are returned when ``output_attentions`` is set or :func:`recording` is
     active, and only when every mechanism of the layer produced them.
     """
@@ -312,6 +315,7 @@ def attnlab_attention(
     if layer is None or layer.kv_heads is None:
         key, value = _expand_kv(key, value, h)
     key, value, key_mask = extend_kv(module, key, value, key_mask)  # prefix tuning, if any
+    pattern = local_pattern(attention_mask, kwargs.get("sliding_window"), key.shape[2])
     ctx = AttnContext(
         key_mask=key_mask,
         causal=bool(is_causal),
@@ -320,9 +324,10 @@ def attnlab_attention(
         state=state,
         dropout=float(dropout),
         scale=scaling,
+        extras={} if pattern is None else {LOCAL_PATTERN: pattern},  # [b,1|h,n,m]
     )
     if layer is None:
-        res = _plain_softmax(h, d)(query, key, value, ctx)
+        res = run_mechanism(_plain_softmax(h, d), query, key, value, ctx)
         out, probs, missing = res.out, res.probs, ([] if res.probs is not None or not need
                                                    else ["softmax"])
     else:

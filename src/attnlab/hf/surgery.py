@@ -207,7 +207,7 @@ def _validate(plan: Plan, host: Host, max_len: int | None):
                     "causal (causal_ok=False). Use it on an encoder, or choose a mechanism "
                     "that supports causal attention."
                 )
-            if caps.kv_heads is not None:
+            if caps.kv_heads is not None and not host.fused:  # fused: no shrink (hf.fused)
                 now = _kv_heads_now(host.attention[layer], host)
                 if caps.scope != "module":
                     raise SurgeryError(
@@ -321,7 +321,7 @@ def apply_plan(model: nn.Module, plan: Any, *, max_len: int | None = None) -> Su
     for layer, attn in enumerate(host.attention):
         groups = built[layer]
         kv = None
-        if len(groups) == 1:
+        if len(groups) == 1 and not host.fused:  # a fused Q/K/V projection is never shrunk
             kv = getattr(groups[0][1].caps, "kv_heads", None)
         if kv is not None:
             now = _kv_heads_now(attn, host)

@@ -39,6 +39,7 @@ from ..analysis import (
     HeadScoreAccumulator,
     class_counts,
     classify_heads,
+    read_history,
     read_json,
     to_csv,
     to_json,
@@ -563,10 +564,12 @@ def run_report(
         raise FileNotFoundError(f"{run} is not an attnlab run directory (no config.yaml)")
     config = _load_yaml(run / "config.yaml")
     plan_file = run / "plan.json"
-    plan = json.loads(plan_file.read_text()) if plan_file.is_file() else None
     summary_file = run / "summary.json"
     summary = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
+    # plan.json (or the summary's plan): a list, {"plan": [...]}, or older runs' JSON string
+    plan = json.loads(plan_file.read_text()) if plan_file.is_file() else summary.get("plan")
     metrics = {k: v for k, v in summary.items() if k not in ("plan", "surgery")}
+    history = read_history(run / "metrics.jsonl")
     analysis_dir = run / ANALYSIS_DIR
     figures: dict[str, Any] = {}
     if (analysis_dir / "head_scores.json").is_file():
@@ -593,6 +596,27 @@ def run_report(
     if summary:
         title += f": {summary.get('task', '')} ({summary.get('tuning', '')})"
     path = Path(out) if out is not None else run / "report.html"
+    task_name = summary.get("task") or ((config or {}).get("task") or {}).get("name")
     build_report(path, title=title, config=config, plan=plan or None, metrics=metrics,
-                 scores=scores, classes=classes, examples=examples, figures=figures)
+                 scores=scores, classes=classes, examples=examples, figures=figures,
+                 surgery=summary.get("surgery"), history=history, task=task_name,
+                 model=_model_label(config), loss_unit=_loss_unit(task_name))
     return path, origin
+
+
+def _model_label(config: Any) -> str:
+    """The model's name for axis labels: the embedded default by its real name."""
+    name = str(((config or {}).get("model") or {}).get("name") or "model")
+    return "all-MiniLM-L6-v2" if name == "default" else name
+
+
+def _loss_unit(task_name: str | None) -> str:
+    """What the logged training loss measures: squared error for regression tasks (STS-B),
+    else cross-entropy in nats (classification, tagging, span starts/ends, masked tokens)."""
+    from ..tasks import get_task
+
+    try:
+        regression = getattr(get_task(str(task_name)), "problem_type", None) == "regression"
+    except (KeyError, ValueError):
+        regression = False
+    return "mean squared error" if regression else "cross-entropy, nats"

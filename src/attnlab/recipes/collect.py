@@ -32,6 +32,7 @@ import yaml
 
 from ..config import ConfigError
 from .compare import bar_plot, mean_std_text, summarise, to_csv, to_markdown
+from .rundir import is_finished
 
 
 def _seeds(folder: Path) -> list[Path]:
@@ -58,15 +59,16 @@ def _config_value(folder: Path, key: str) -> Any:
 def _row(label: str, folder: Path, show: list[str]) -> dict[str, Any]:
     paths = _seeds(folder)
     summaries = [json.loads(p.read_text()) for p in paths]
-    finished = [s for s in summaries if not s.get("interrupted")]
+    finished = [s for s in summaries if is_finished(s)]
     if not finished:
         raise ConfigError(f"{folder}: no finished run (seed-*/summary.json)")
     done = {p.parent.name for p, s in zip(paths, summaries, strict=True)
-            if not s.get("interrupted")}
+            if is_finished(s)}
     left = sorted(d.name for d in folder.glob("seed-*") if d.is_dir() and d.name not in done)
     if left:
-        warnings.warn(f"{folder}: {', '.join(left)} left out of the table (no summary.json, or "
-                      "interrupted): still running, or resume it with --resume", stacklevel=2)
+        warnings.warn(f"{folder}: {', '.join(left)} left out of the table (no summary.json, "
+                      "interrupted or failed): still running, or resume it with --resume",
+                      stacklevel=2)
     row = summarise(label, finished)
     for key in show:
         row[key] = _config_value(folder, key)
@@ -174,30 +176,17 @@ def _span(values: list[float]) -> str:
     return f"{lo:.3f}%" if hi - lo < 5e-4 else f"{lo:.3f}-{hi:.3f}%"
 
 
-def matrix_plot(rows: list[dict[str, Any]]):
-    """One panel per column (task): each row's mean ± std as a bar, seeds as dots."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def matrix_plot(rows: list[dict[str, Any]], model: str | None = None):
+    """One panel per column (task), three to a line: each row's mean ± std and its seeds as
+    points on the task's own metric axis (``figures.matrix_plot``); a cell no run filled is
+    a hatched "n/a" band, not a zero."""
+    from .figures import matrix_plot as draw
 
     cells = {cell_of(r["variant"]): r for r in rows}
     names = list(dict.fromkeys(k[0] for k in cells))
     cols = list(dict.fromkeys(k[1] for k in cells))
-    fig, axes = plt.subplots(1, len(cols), figsize=(max(4, 0.45 * len(names) + 1.5) * len(cols),
-                                                     3.5), squeeze=False)
-    for ax, c in zip(axes[0], cols, strict=True):
-        here = [(i, cells[(n, c)]) for i, n in enumerate(names) if (n, c) in cells]
-        ax.bar([i for i, _ in here], [r["mean"] for _, r in here], color="#4C72B0", alpha=0.85)
-        for i, r in here:
-            if r["seeds"] > 1:
-                ax.errorbar([i], [r["mean"]], yerr=[r["std"]], color="black", capsize=3)
-            ax.plot([i] * len(r["values"]), r["values"], "o", color="black", ms=3)
-        ax.set_xticks(range(len(names)), names, rotation=45, ha="right")
-        ax.set_title(c)
-        ax.set_ylabel(here[0][1]["metric"])
-    fig.tight_layout()
-    return fig
+    metric = {c: next(r["metric"] for (_, cc), r in cells.items() if cc == c) for c in cols}
+    return draw(cells, rows=names, tasks=[(c, c, metric[c]) for c in cols], model=model)
 
 
 def write_collected(rows: list[dict[str, Any]], out: Path, show: list[str] | None = None,

@@ -39,6 +39,7 @@ from ..config import (
     validate,
     with_optim_defaults,
 )
+from .rundir import is_finished
 
 NAMED_PLANS: dict[str, list[str]] = {
     "baseline": [],
@@ -200,7 +201,7 @@ def _finished(cfg: ExperimentConfig) -> dict[str, Any] | None:
     if not done.exists():
         return None
     summary = json.loads(done.read_text())
-    if summary.get("interrupted"):
+    if not is_finished(summary):
         return None
     if changes := run_config_changes(cfg.run_dir, cfg):
         raise ConfigError(
@@ -241,7 +242,8 @@ def run_parallel(cfgs: list[ExperimentConfig], workers: int, resume: bool = Fals
         log = cfg.run_dir.parent / f"{cfg.name}.log"
         with open(log, "a" if resume else "w") as f:  # a resumed run keeps its log
             cmd = [sys.executable, "-m", "attnlab.cli", "run", str(cfg_file)]
-            rc = subprocess.call(cmd + ["--resume"] * resume, stdout=f,
+            flag = "--resume" if resume else "--overwrite"  # the comparison owns its folders
+            rc = subprocess.call(cmd + [flag], stdout=f,
                                  stderr=subprocess.STDOUT, env=env)
         cfg_file.unlink(missing_ok=True)
         return log, rc
@@ -265,6 +267,7 @@ def summarise(label: str, summaries: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "variant": label,
         "metric": metric,
+        "task": summaries[0].get("task"),
         "mean": m,
         "std": s,
         "seeds": sum(has_value(x["best_metric"]) for x in summaries),  # in the mean
@@ -345,28 +348,16 @@ def to_csv(rows: list[dict[str, Any]]) -> str:
     return buf.getvalue()
 
 
-def bar_plot(rows: list[dict[str, Any]]):
+def bar_plot(rows: list[dict[str, Any]], model: str | None = None):
     """Mean ± std of the main metric per variant, with each seed's value as a dot and the
-    seed count under the label (a single seed gets no error bar): a matplotlib figure."""
-    import matplotlib
+    seed count beside the label (a single seed gets no error bar): a matplotlib figure.
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    Drawn by ``figures.seed_plot`` as points, not bars, so the metric axis follows the data
+    instead of starting at zero; it names the task (the rows' ``task``), the ``model``
+    and the metric's unit."""
+    from .figures import seed_plot
 
-    fig, ax = plt.subplots(figsize=(max(4, 1.2 * len(rows) + 2), 3.5))
-    xs = range(len(rows))
-    ax.bar(xs, [r["mean"] for r in rows], color="#4C72B0", alpha=0.85)
-    for x, r in zip(xs, rows, strict=True):
-        if r["seeds"] > 1:
-            ax.errorbar([x], [r["mean"]], yerr=[r["std"]], color="black", capsize=4)
-        vals = r.get("values") or []
-        ax.plot([x] * len(vals), vals, "o", color="black", markersize=3, zorder=3)
-    ax.set_xticks(list(xs), [f"{r['variant']}\n(n={r['seeds']})" for r in rows], rotation=20,
-                  ha="right")
-    ax.set_ylabel(rows[0]["metric"])
-    ax.set_title("mean ± std over seeds (dots: single seeds)")
-    fig.tight_layout()
-    return fig
+    return seed_plot(rows, model=model)
 
 
 def best_variant(rows: list[dict[str, Any]], greater_is_better: bool
@@ -419,6 +410,7 @@ def run_compare(base: ExperimentConfig, vary: list[tuple[str, list[str]]], seeds
         tmp.write_text(text)
         tmp.replace(out / name)
     write_json_atomic(out / "comparison.json", rows)
-    fig = bar_plot(rows)
+    varied = {key for key, _ in vary}
+    fig = bar_plot(rows, model=None if "model.name" in varied else base.model.name)
     fig.savefig(out / "comparison.png", dpi=120)
     return rows, out

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import random
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,8 @@ from ..config import (
 from ..train.checkpoint import list_checkpoints, write_json_atomic
 from ..train.loop import LoopParts, fit
 from ..train.memory import peak_rss_mb, reset_peak_rss
+from .preflight import preflight
+from .rundir import now, provenance, prune_finished
 
 AUTO_CLASSES = {
     "sequence-classification": "AutoModelForSequenceClassification",
@@ -101,12 +105,17 @@ def make_evaluator(task, splits: dict[str, tuple[list, list]], tokenizer, seed: 
     """evaluate(model) -> metrics; with several eval splits, names get a ``split/`` prefix.
 
     A fresh collator per evaluation, seeded the same, so masked-LM masks are identical in
-    every evaluation.
+    every evaluation. For single-label classification, ``evaluate.one_class`` gets, per
+    call, whether every prediction of some split was the same class (see
+    :func:`degenerate_warning`).
     """
+    classify = (task.head == "sequence-classification"
+                and getattr(task, "problem_type", None) == "single_label_classification")
 
     def evaluate(model: torch.nn.Module) -> dict[str, float]:
         device = next(model.parameters()).device
         result: dict[str, float] = {}
+        one_class = False
         for split, (examples, features) in splits.items():
             collate = task.collator(tokenizer, seed=seed)
             preds: list = []
@@ -115,13 +124,38 @@ def make_evaluator(task, splits: dict[str, tuple[list, list]], tokenizer, seed: 
                 batch = {k: v.to(device) for k, v in batch.items()}
                 preds += task.batch_predictions(model(**batch), batch)
             metrics = task.compute_metrics(preds, features, examples)
+            if classify and len(preds) > 1:
+                one_class |= len({int(torch.as_tensor(p).argmax()) for p in preds}) == 1
             if len(splits) == 1:
                 result.update(metrics)
             else:
                 result.update({f"{split}/{k}": v for k, v in metrics.items()})
+        evaluate.one_class.append(one_class)
         return result
 
+    evaluate.one_class = []
     return evaluate
+
+
+def degenerate_warning(one_class: list[bool], evals: list[dict], best_step: int | None,
+                       steps: int, lr: float) -> str | None:
+    """A message when the kept model predicted one class for every dev example (MCC 0, the
+    majority-class accuracy), else None. ``one_class`` holds this process's evaluations:
+    the last ``len(one_class)`` of ``evals``, or, after a finalize (Diff-Prune), more than
+    ``evals`` with the reported model's last."""
+    if not one_class:
+        return None
+    if len(one_class) > len(evals):  # finalized: the last evaluation is the result
+        kept = one_class[-1]
+    else:
+        mine = evals[len(evals) - len(one_class):]
+        at_best = [o for o, e in zip(one_class, mine, strict=True) if e["step"] == best_step]
+        kept = (at_best or one_class[-1:])[0]
+    if not kept:
+        return None
+    return (f"the kept model predicts one class for every dev example (after {steps} steps "
+            f"at lr {lr:g}): it learned only the majority class. Likely causes: too few "
+            "steps (raise train.epochs) or a learning rate too low or too high (optim.lr).")
 
 
 def eval_splits_of(cfg: ExperimentConfig, task) -> tuple[str, ...]:
@@ -143,7 +177,31 @@ def check_resumable(run_dir: Path, cfg: ExperimentConfig) -> None:
 
 def run_experiment(cfg: ExperimentConfig, resume: bool = False,
                    stop_after: int | None = None) -> dict[str, Any]:
-    """Train and evaluate ``cfg``; returns (and writes) the run summary."""
+    """Train and evaluate ``cfg``; returns (and writes) the run summary.
+
+    The run folder is ``cfg.run_dir`` as given (``rundir.fresh_run`` picks a new one for the
+    command line). A run that raises leaves ``summary.json`` with ``status: failed`` and the
+    error (``interrupted`` for Ctrl-C), then re-raises. A finished run deletes its
+    checkpoints and best-model copy unless ``train.keep_checkpoints``.
+    """
+    cfg = with_optim_defaults(cfg)  # config.yaml and resume checks see the values used
+    preflight(cfg)  # what `attnlab validate` refuses, refused before anything is loaded
+    started, t0 = now(), time.perf_counter()
+    try:
+        return _run_experiment(cfg, resume, stop_after, started, t0)
+    except BaseException as e:
+        if cfg.run_dir.is_dir():
+            status = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
+            write_json_atomic(cfg.run_dir / "summary.json", {
+                "name": cfg.name, "task": cfg.task.name, "seed": cfg.seed, "status": status,
+                "error": f"{type(e).__name__}: {e}", **provenance(), "started": started,
+                "finished": now(), "wall_seconds": time.perf_counter() - t0,
+            })
+        raise
+
+
+def _run_experiment(cfg: ExperimentConfig, resume: bool, stop_after: int | None,
+                    started: str, t0: float) -> dict[str, Any]:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
@@ -153,7 +211,6 @@ def run_experiment(cfg: ExperimentConfig, resume: bool = False,
     from ..tuning.accounting import count_parameters
     from ..tuning.base import TaskInfo, resolve_tuning
 
-    cfg = with_optim_defaults(cfg)  # config.yaml and resume checks see the values used
     reset_peak_rss()  # peak memory of this run, not of earlier runs in the process
     _release_other_precision(cfg.train.mixed_precision)
     accelerator = Accelerator(mixed_precision=cfg.train.mixed_precision,
@@ -161,17 +218,15 @@ def run_experiment(cfg: ExperimentConfig, resume: bool = False,
     run_dir = cfg.run_dir
     if resume:
         check_resumable(run_dir, cfg)
-    if accelerator.is_main_process:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(resolved_yaml(cfg))
-    set_seed(cfg.seed)
-
-    task = get_task(cfg.task.name)
+    task = get_task(cfg.task.name)  # the data first: a run that cannot start writes nothing
     data_dir = cfg.task.data_dir
     train_ex = subset(task.load(cfg.task.train_split or task.train_split, data_dir),
                       cfg.task.train_fraction, cfg.task.train_limit, cfg.seed)
     eval_splits = eval_splits_of(cfg, task)
     eval_ex = {s: task.load(s, data_dir)[: cfg.task.eval_limit] for s in eval_splits}
+    if accelerator.is_main_process:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(resolved_yaml(cfg))
 
     set_seed(cfg.seed)  # model init (new heads) depends only on the seed
     model, tok = build_model(cfg, task)
@@ -181,7 +236,7 @@ def run_experiment(cfg: ExperimentConfig, resume: bool = False,
     model = tuner.apply(model, tcfg, task=TaskInfo.from_tokenizer(tok, task_kind(task)))
     params = count_parameters(model, tuner)
     if accelerator.is_main_process:
-        write_json_atomic(run_dir / "plan.json", plan.to_json() if plan else [])
+        write_json_atomic(run_dir / "plan.json", {"plan": plan.to_list() if plan else []})
 
     max_len = cfg.model.max_length
     train_feats = task.encode(train_ex, tok, max_len)
@@ -231,7 +286,8 @@ def run_experiment(cfg: ExperimentConfig, resume: bool = False,
         "name": cfg.name,
         "task": task.name,
         "seed": cfg.seed,
-        "plan": plan.to_json() if plan else [],
+        "status": "interrupted" if interrupted else "finished",
+        "plan": plan.to_list() if plan else [],
         "tuning": tcfg.spec() if hasattr(tcfg, "spec") else cfg.tuning.method,
         "main_metric": main_metric,
         "greater_is_better": task.greater_is_better,
@@ -252,10 +308,20 @@ def run_experiment(cfg: ExperimentConfig, resume: bool = False,
         "surgery": report.to_dict() if report is not None else None,
         "interrupted": interrupted,
         "num_processes": accelerator.num_processes,
+        "degenerate": degenerate_warning(parts.evaluate.one_class, state.evals,
+                                         state.best_step, state.step,
+                                         float(cfg.optim.lr or 0.0)),
+        **provenance(),
+        "started": started,
     }
     if accelerator.is_main_process:
-        write_json_atomic(run_dir / "summary.json", summary)
         _export(accelerator.unwrap_model(parts.model), tok, tuner, run_dir)
+        if not interrupted and not cfg.train.keep_checkpoints:
+            prune_finished(run_dir)
+        if summary["degenerate"]:  # loud, at the end of the run's output
+            print(f"\n*** WARNING ({cfg.name}): {summary['degenerate']}\n", file=sys.stderr)
+        summary.update(finished=now(), wall_seconds=time.perf_counter() - t0)
+        write_json_atomic(run_dir / "summary.json", summary)  # last: the run is complete
     accelerator.wait_for_everyone()
     return {**summary, "is_main_process": accelerator.is_main_process}
 

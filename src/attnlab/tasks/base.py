@@ -55,6 +55,20 @@ BUILTIN = "builtin"  # data_dir value selecting the package's own sample data
 SPLIT_ALIASES = {"valid": "dev", "validation": "dev", "val": "dev"}
 
 
+class MissingPackageError(ImportError):
+    """An optional package a setting needs is not installed; the message names the extra."""
+
+
+def require_package(module: str, extra: str, why: str) -> None:
+    """Raise MissingPackageError naming ``pip install 'attnlab[extra]'`` if ``module`` is
+    not importable."""
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise MissingPackageError(
+            f"{why} needs the optional package {module!r}: pip install 'attnlab[{extra}]'")
+
+
 class DataFormatError(ValueError):
     """Malformed input: names the file, the 1-based line (when known) and what is wrong."""
 

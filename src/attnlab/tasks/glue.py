@@ -38,6 +38,7 @@ from .base import (
     padding_collator,
     read_lines,
     register_task,
+    require_package,
 )
 from .metrics import MetricSet, glue_metrics
 
@@ -164,6 +165,8 @@ class GlueTask:
         return self.label_values.index(raw)
 
     def _load_hub(self, split: str) -> list[GlueExample]:
+        require_package("datasets", "hub", f"GLUE {self.name} from the Hugging Face hub "
+                        "(data_dir None)")
         from datasets import load_dataset  # network; never used by the tests
 
         hf_split = split.replace("dev", "validation")

@@ -1,6 +1,8 @@
 // attnlab report: head grids and the head explorer. Plain JS, no libraries, no network.
 // Data comes from the inline JSON block #attnlab-data (see attnlab/analysis/report.py):
-// example maps are integers in thousandths, index ((layer*H + head)*n + query)*n + key.
+// example maps are integers in thousandths, index ((layer*H + head)*n + query)*n + key;
+// DATA.replaced is null or an L x H table of the mechanism spec a plan put into each head
+// (null where softmax stayed), marked in every grid and in the explorer.
 (function () {
   "use strict";
 
@@ -11,6 +13,10 @@
   const SVG_NS = byId("attn-lines").namespaceURI; // the inline <svg>'s namespace
   const scoreNames = Object.keys(DATA.scores);
   const state = { example: 0, layer: 0, head: 0, score: scoreNames[0] };
+  const REPLACED = DATA.replaced || null;
+  const MECH = DATA.mechanisms || {};
+  const MECH_COLORS = ["#56B4E9", "#E69F00", "#009E73", "#CC79A7", "#F0E442", "#0072B2",
+    "#D55E00", "#999999"];
 
   // ------------------------------------------------------------------ colours
   const VIRIDIS = [[68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37]];
@@ -57,12 +63,69 @@
       for (let h = 0; h < H; h++) {
         const td = el("td", { "data-layer": l, "data-head": h });
         cell(td, l, h);
+        markReplaced(td, l, h);
         td.addEventListener("click", () => selectHead(l, h));
         row.appendChild(td);
       }
       table.appendChild(row);
     }
     return table;
+  }
+
+  function replacedBy(l, h) {
+    return REPLACED ? REPLACED[l][h] : null;
+  }
+
+  function markReplaced(td, l, h) {
+    const spec = replacedBy(l, h);
+    if (!spec) return;
+    td.classList.add("replaced");
+    td.dataset.mechanism = spec;
+    td.title = (td.title ? td.title + " \u00b7 " : "") + "replaced by " + spec;
+  }
+
+  function drawMechGrid() {
+    const host = byId("mech-grid");
+    const legend = byId("mech-legend");
+    host.textContent = "";
+    legend.textContent = "";
+    if (!REPLACED) {
+      host.appendChild(el("p", { class: "empty" }, "No plan given: every head is softmax."));
+      return;
+    }
+    const specs = Object.keys(MECH);
+    const color = (spec) => MECH_COLORS[specs.indexOf(spec) % MECH_COLORS.length];
+    host.appendChild(
+      gridTable("mech-grid", (td, l, h) => {
+        const spec = REPLACED[l][h];
+        td.title = "layer " + l + ", head " + h + ": " + (spec || "softmax (kept)");
+        if (spec) {
+          td.style.background = color(spec);
+          const lab = MECH[spec] || spec;
+          td.textContent = lab.length <= 6 ? lab : lab.slice(0, 5) + "\u2026";
+        } else {
+          td.style.background = "#ffffff";
+          td.style.color = "#888";
+          td.textContent = "\u00b7";
+        }
+      })
+    );
+    let total = 0;
+    for (const spec of specs) {
+      const n = REPLACED.flat().filter((s) => s === spec).length;
+      total += n;
+      const sw = el("span", { class: "swatch" });
+      sw.style.background = color(spec);
+      legend.appendChild(sw);
+      legend.appendChild(document.createTextNode(MECH[spec] + " = " + spec + " (" + n + ")"));
+    }
+    const sw = el("span", { class: "swatch" });
+    legend.appendChild(sw);
+    legend.appendChild(document.createTextNode("\u00b7 softmax, kept (" + (L * H - total) + ")"));
+    const mark = el("span", { class: "swatch replaced" });
+    legend.appendChild(el("br"));
+    legend.appendChild(mark);
+    legend.appendChild(document.createTextNode("replaced head (frame and red corner in every grid)"));
   }
 
   function drawClassGrid() {
@@ -264,9 +327,32 @@
     if (DATA.classes) parts.push("class: " + DATA.classes[state.layer][state.head]);
     for (const name of scoreNames) parts.push(name + " " + fmt(DATA.scores[name][state.layer][state.head]));
     byId("head-info").textContent = parts.join(" \u00b7 ");
+    const badge = byId("head-mechanism");
+    const spec = replacedBy(state.layer, state.head);
+    badge.classList.toggle("replaced", Boolean(spec));
+    badge.textContent = spec
+      ? "replaced by the plan: " + spec
+      : REPLACED
+        ? "softmax attention (not replaced by the plan)"
+        : "no plan: softmax attention";
+  }
+
+  function headLabel(l, h) {
+    const spec = replacedBy(l, h);
+    return spec ? h + " \u2014 " + (MECH[spec] || spec) + " (replaced)" : String(h);
+  }
+
+  function layerLabel(l) {
+    const n = REPLACED ? REPLACED[l].filter((s) => s).length : 0;
+    return n ? l + " (" + n + " replaced)" : String(l);
+  }
+
+  function fillHeads() {
+    fillSelect(byId("head-select"), [...Array(H).keys()].map((h) => [h, headLabel(state.layer, h)]));
   }
 
   function render() {
+    fillHeads();
     byId("layer-select").value = String(state.layer);
     byId("head-select").value = String(state.head);
     headInfo();
@@ -293,8 +379,8 @@
 
   function init() {
     fillSelect(byId("score-select"), scoreNames.map((s) => [s, s]));
-    fillSelect(byId("layer-select"), [...Array(L).keys()].map((l) => [l, String(l)]));
-    fillSelect(byId("head-select"), [...Array(H).keys()].map((h) => [h, String(h)]));
+    fillSelect(byId("layer-select"), [...Array(L).keys()].map((l) => [l, layerLabel(l)]));
+    fillHeads();
     fillSelect(
       byId("example-select"),
       DATA.examples.map((ex, k) => [k, k + ": " + ex.tokens.slice(0, 8).join(" ")])
@@ -315,6 +401,7 @@
       state.head = Number(e.target.value);
       render();
     });
+    drawMechGrid();
     drawClassGrid();
     drawScoreGrid();
     render();

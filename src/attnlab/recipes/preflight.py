@@ -1,0 +1,72 @@
+"""What ``attnlab validate`` and ``attnlab run`` both check before anything runs.
+
+One list, so the two agree: whatever ``run`` would refuse, ``validate`` refuses first, with
+the same one-line message. Each failure is a :class:`~attnlab.config.ConfigError` (or the
+registry's / surgery's own error) naming the problem and the fix.
+
+``run`` checks everything but the data (it loads the data itself a moment later, with the
+same errors); ``validate`` loads the data too (``load_data=True``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..config import ConfigError, ExperimentConfig
+from ..tasks.base import require_package
+from .rundir import check_writable
+
+
+def check_model_name(name: str) -> None:
+    """``default``, ``scratch:SIZE``, or a local model folder (hub ids only when online)."""
+    from ..models import SIZES
+
+    if name == "default":
+        return
+    if name.startswith("scratch:"):
+        size = name.split(":", 1)[1]
+        if size not in SIZES:
+            raise ConfigError(f"model.name {name!r}: unknown size {size!r}; use one of "
+                              + ", ".join(f"scratch:{s}" for s in SIZES))
+        return
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"model.name {name!r}: the folder has no config.json; point it "
+                              "at a folder written by save_pretrained")
+        return
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+        raise ConfigError(
+            f"model.name {name!r}: no such local folder, and the Hugging Face hub is offline "
+            "(HF_HUB_OFFLINE); give a folder written by save_pretrained, 'default' (the "
+            "embedded MiniLM) or 'scratch:SIZE'")
+
+
+def preflight(cfg: ExperimentConfig, load_data: bool = False) -> None:
+    """Raise the first problem that would stop ``cfg`` from running (nothing is written)."""
+    from ..hf.check import check_model_config
+    from ..hf.plan import Plan
+    from ..tasks import get_task
+    from ..tuning import resolve_tuning
+
+    task = get_task(cfg.task.name)
+    if cfg.plan:
+        Plan.parse(cfg.plan)
+    resolve_tuning(cfg.tuning.method)
+    check_model_name(cfg.model.name)
+    check_model_config(cfg.model.name, cfg.plan or None)  # architecture + plan, no weights
+    if cfg.task.data_dir is None:
+        require_package("datasets", "hub", f"task.data_dir: null (task {task.name!r} from "
+                        "the Hugging Face hub)")
+    elif cfg.task.data_dir != "builtin" and not Path(cfg.task.data_dir).expanduser().is_dir():
+        raise ConfigError(
+            f"task.data_dir {cfg.task.data_dir!r} is not a folder; give the data root (e.g. "
+            "../shared/data), 'builtin' for the shipped sample, or null for the hub")
+    check_writable(cfg.run_dir)
+    if load_data:
+        from .finetune import eval_splits_of
+
+        task.load(cfg.task.train_split or task.train_split, cfg.task.data_dir)
+        for split in eval_splits_of(cfg, task):
+            task.load(split, cfg.task.data_dir)

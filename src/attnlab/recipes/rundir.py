@@ -1,0 +1,130 @@
+"""Run folders: a fresh one per run, what a run records about itself, and what it keeps.
+
+- :func:`fresh_run` never lets a new run write into an existing run's folder: ``runs/x``
+  taken gives ``runs/x-2`` (then ``-3``, ...), unless ``overwrite`` (the folder is emptied
+  first) or ``resume`` (the run continues there, or starts there if it never began).
+- :func:`provenance` is what ``summary.json`` says about where a run came from: attnlab's
+  version and git commit (when run from a checkout), the versions of Python and the
+  fast-moving libraries, and the device.
+- :func:`prune_finished` deletes what a finished run no longer needs: the checkpoints
+  (model, optimizer, RNG states) and the best-model copy the loop restored from; the
+  result, ``tuned.safetensors`` (only the trained parameters for partial tuners), stays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import platform
+import shutil
+import subprocess
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from ..config import ConfigError, ExperimentConfig
+
+LIBRARIES = ("torch", "transformers", "peft", "accelerate", "tokenizers", "datasets")
+
+
+def fresh_run(cfg: ExperimentConfig, resume: bool = False, overwrite: bool = False
+              ) -> tuple[ExperimentConfig, str | None]:
+    """(config whose run folder a new run may use, a note for the user or None)."""
+    if resume and overwrite:
+        raise ConfigError("--resume continues a run and --overwrite deletes it: give one")
+    run_dir = cfg.run_dir
+    if resume:
+        return cfg, (None if run_dir.is_dir() else f"nothing to resume in {run_dir}: started")
+    if not run_dir.exists() or (run_dir.is_dir() and not any(run_dir.iterdir())):
+        return cfg, None
+    if overwrite:
+        if not run_dir.is_dir():
+            raise ConfigError(f"{run_dir} is a file, not a run folder; move it away")
+        shutil.rmtree(run_dir)
+        return cfg, f"{run_dir} emptied (--overwrite)"
+    i = 2
+    while (run_dir.parent / f"{cfg.name}-{i}").exists():
+        i += 1
+    new = dataclasses.replace(cfg, name=f"{cfg.name}-{i}")
+    return new, f"{run_dir} exists: this run writes {new.run_dir} (--overwrite replaces it)"
+
+
+def check_writable(folder: Path) -> None:
+    """Refuse an output folder that cannot be created or written, before any work."""
+    probe = folder
+    while not probe.exists():
+        probe = probe.parent
+    import os
+
+    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(f"cannot write the run folder {folder}: {probe} is not a writable "
+                          "folder; set output_dir to one you can write")
+
+
+def versions() -> dict[str, str | None]:
+    """Installed versions of Python, attnlab and the libraries it depends on fastest."""
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    for name in ("attnlab", *LIBRARIES):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def git_commit() -> str | None:
+    """The commit of the checkout attnlab runs from (with ``-dirty`` if changed), else None."""
+    src = Path(__file__).resolve().parents[3]  # <checkout>/src/attnlab/recipes/rundir.py
+    if not (src / ".git").exists():
+        return None
+    try:
+        head = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], text=True,
+                              capture_output=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(src), "status", "--porcelain", "--", "src"],
+                               text=True, capture_output=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("-dirty" if dirty else "")
+
+
+def device_name() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return f"cuda: {torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}"
+    return f"cpu: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+
+
+def provenance() -> dict[str, Any]:
+    v = versions()
+    return {"attnlab_version": v.pop("attnlab"), "git_commit": git_commit(), "versions": v,
+            "device": device_name()}
+
+
+def is_finished(summary: dict[str, Any]) -> bool:
+    """A summary of a run that ran to its end (not interrupted, not failed)."""
+    return not summary.get("interrupted") and summary.get("status", "finished") == "finished"
+
+
+def now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def prune_finished(run_dir: Path) -> int:
+    """Delete a finished run's checkpoints and best-model copy; returns the bytes freed."""
+    freed = 0
+    for sub in (run_dir, run_dir / "masked"):
+        for path in (sub / "checkpoints", sub / "best.safetensors"):
+            if not path.exists():
+                continue
+            files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+            freed += sum(p.stat().st_size for p in files)
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+    return freed
+
+
+def folder_size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())

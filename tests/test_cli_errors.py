@@ -1,0 +1,67 @@
+"""Errors of use end in one line naming the fix and exit status 2 (``--debug``: the
+traceback); ``validate`` refuses what ``run`` refuses, before anything is written."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from attnlab.cli import app
+
+runner = CliRunner()
+TINY = ["task.data_dir=builtin", "model.name=scratch:tiny", "model.max_length=16",
+        "task.train_limit=16", "task.eval_limit=8", "train.batch_size=8", "train.max_steps=1"]
+
+
+def _error_line(res) -> str:
+    assert res.exit_code == 2, (res.exit_code, res.output)
+    lines = [ln for ln in res.output.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), res.output
+    assert "Traceback" not in res.output
+    return lines[0]
+
+
+@pytest.mark.parametrize("case,override,expect", [
+    ("missing data", "task.data_dir={tmp}/no-such-data", "is not a folder"),
+    ("data without the task's files", "task.data_dir={tmp}", "no 'train.tsv' found"),
+    ("unknown model", "model.name={tmp}/no-such-model", "no such local folder"),
+    ("model folder without config", "model.name={tmp}", "has no config.json"),
+    ("unknown scratch size", "model.name=scratch:huge", "unknown size 'huge'"),
+    ("unwritable output folder", "output_dir={tmp}/a-file/runs", "cannot write the run folder"),
+    ("unknown task", "task.name=colaa", "cola"),
+])
+@pytest.mark.parametrize("command", ["validate", "run"])
+def test_one_line_errors_and_validate_agrees_with_run(tmp_path, command, case, override, expect):
+    (tmp_path / "a-file").write_text("not a folder")
+    args = [*TINY, override.format(tmp=tmp_path), f"output_dir={tmp_path}/out", "name=x"]
+    if "output_dir" in override:
+        args = [*TINY, override.format(tmp=tmp_path), "name=x"]
+    res = runner.invoke(app, [command, *args])
+    assert expect in _error_line(res), (case, res.output)
+    assert not (tmp_path / "out" / "x").exists()  # nothing half-written
+
+
+def test_missing_optional_package_names_the_extra(tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "datasets" else real(name, *a))
+    res = runner.invoke(app, ["run", *TINY, "task.data_dir=null", f"output_dir={tmp_path}"])
+    line = _error_line(res)
+    assert "datasets" in line and "pip install 'attnlab[hub]'" in line
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    res = runner.invoke(app, ["--debug", "run", *TINY, "model.name=scratch:huge",
+                              f"output_dir={tmp_path}"])
+    assert res.exit_code != 0 and res.exception is not None
+    assert "unknown size" in str(res.exception)
+
+
+def test_a_config_file_error_is_one_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("task: {name: cola, data_dir: builtin}\ntrain: {epochz: 3}\n")
+    for command in ("validate", "run"):
+        line = _error_line(runner.invoke(app, [command, str(bad)]))
+        assert "epochz" in line and "epochs" in line
