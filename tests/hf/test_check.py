@@ -15,7 +15,7 @@ import torch
 from typer.testing import CliRunner
 
 from attnlab.cli import app
-from attnlab.config import ConfigError, load_config
+from attnlab.config import load_config
 from attnlab.hf import PlanError, UnsupportedModelError, check_model_config
 
 runner = CliRunner()
