@@ -105,3 +105,16 @@ def test_registered_tuners_follow_the_protocol():
         tuner = TUNERS.get(name)
         assert isinstance(tuner, Tuner) and tuner.name == name
         assert tuner.config_cls.__doc__
+
+
+def test_full_can_keep_the_word_embeddings_fixed():
+    tuner, cfg = resolve_tuning("full(freeze_embeddings=True)")
+    model = tuner.apply(make_bert(), cfg, task=TaskInfo(kind="pair")).train()
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    assert frozen == ["bert.embeddings.word_embeddings.weight"]
+    before = model.bert.embeddings.word_embeddings.weight.detach().clone()
+    opt = torch.optim.AdamW([p for _, p in tuner.trainable_parameters(model)], lr=1e-2)
+    model(**bert_pair_batch(), labels=torch.tensor([0, 1, 2])).loss.backward()
+    opt.step()
+    assert torch.equal(model.bert.embeddings.word_embeddings.weight, before)
+    assert "bert.embeddings.word_embeddings.weight" not in tuner.state_dict_to_save(model)
