@@ -5,6 +5,7 @@ and the warning for a run that predicts one class. Through the command line, as 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -119,4 +120,4 @@ def test_config_paths_resolve_from_the_config_file(tmp_path):
     cfg = load_config(sub / "c.yaml")
     assert cfg.task.data_dir == str((tmp_path / "data").resolve())
     over = load_config(sub / "c.yaml", ["task.data_dir=rel"])  # overrides: from the cwd
-    assert over.task.data_dir == "rel"
+    assert over.task.data_dir == str(Path("rel").resolve())

@@ -233,6 +233,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     data = apply_overrides(data, overrides or [])
     cfg = from_dict(ExperimentConfig, data)
     validate(cfg)
+    d = cfg.task.data_dir  # any path still relative (overrides, ``base``) is the cwd's
+    if d is not None and d != "builtin" and not Path(d).expanduser().is_absolute():
+        cfg = dataclasses.replace(cfg, task=dataclasses.replace(
+            cfg.task, data_dir=str(Path(d).expanduser().resolve())))
     return cfg
 
 
@@ -245,7 +249,10 @@ def _paths_from(folder: Path, data: dict[str, Any]) -> dict[str, Any]:
     if isinstance(task, dict) and isinstance(task.get("data_dir"), str):
         d = task["data_dir"]
         if d != "builtin" and not Path(d).expanduser().is_absolute():
-            data = {**data, "task": {**task, "data_dir": str((folder / d).resolve())}}
+            here = (folder / d).resolve()
+            # run folders written before paths were resolved hold cwd-relative paths
+            if here.exists() or not Path(d).exists():
+                data = {**data, "task": {**task, "data_dir": str(here)}}
     if isinstance(model, dict) and isinstance(model.get("name"), str):
         name = model["name"]
         if not Path(name).is_absolute() and (folder / name / "config.json").is_file():

@@ -207,7 +207,8 @@ def test_report_from_a_sample_then_from_the_analysis(runs, tmp_path):
     text, data = _report_data(run / "report.html")
     assert "computed now on a sample: 4 examples of cola dev from builtin" in _text(res)
     assert (data["layers"], data["heads"]) == (2, 2) and len(data["examples"]) == 4
-    assert "attnlab run rb: cola (full)" in text and "best dev mcc" in text
+    assert "attnlab run rb: cola (full(freeze_embeddings=False))" in text
+    assert "best dev mcc" in text
     assert not (run / "analysis").exists()  # the sample is not saved as an analysis
 
     _invoke(["analyze", "heads", run, "--text-file", runs[2], "--heads", "1:1"])
