@@ -18,6 +18,7 @@ def test_the_config_file_is_the_recipe(tmp_path):
     from_file = load_config(ROOT / "configs" / "quickstart.yaml", [f"task.data_dir={data}"])
     assert config_changes(recipe, from_file) == []
     assert recipe.model.dropout == 0.0 and recipe.train.group_by_length
+    assert recipe.tuning.method == "full(freeze_embeddings=True)"
     assert (recipe.optim.lr, recipe.train.epochs, recipe.train.batch_size) == (1e-4, 3, 32)
 
 
