@@ -148,7 +148,7 @@ def report(
     batch_size: Annotated[int, typer.Option(help="Examples per forward pass.")] = 32,
 ) -> None:
     """One self-contained HTML report of a run: config, plan, metrics, head grids, explorer."""
-    from .recipes.analyze import run_report
+    from .recipes.run_report import run_report
 
     try:
         path, origin = run_report(run_dir, out=out, sample=sample, data_dir=data_dir,
