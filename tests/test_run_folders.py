@@ -121,3 +121,23 @@ def test_config_paths_resolve_from_the_config_file(tmp_path):
     assert cfg.task.data_dir == str((tmp_path / "data").resolve())
     over = load_config(sub / "c.yaml", ["task.data_dir=rel"])  # overrides: from the cwd
     assert over.task.data_dir == str(Path("rel").resolve())
+
+
+def test_a_multi_process_run_refuses_an_existing_folder_instead_of_renaming(tmp_path,
+                                                                            monkeypatch):
+    from attnlab.config import ConfigError
+    from attnlab.recipes.rundir import fresh_run
+
+    cfg = load_config(None, [*TINY, "name=d", f"output_dir={tmp_path}"])
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "summary.json").write_text("{}")
+    assert fresh_run(cfg)[0].name == "d-2"  # one process: a new folder
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(ConfigError, match="--overwrite"):
+        fresh_run(cfg)  # every process refuses alike (they could pick different names)
+    assert fresh_run(cfg, overwrite=True)[0].name == "d"
+    assert (tmp_path / "d").exists()  # only rank 0 deletes
+    monkeypatch.setenv("RANK", "0")
+    fresh_run(cfg, overwrite=True)
+    assert not (tmp_path / "d").exists()

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import platform
 import shutil
 import subprocess
@@ -40,8 +41,13 @@ def fresh_run(cfg: ExperimentConfig, resume: bool = False, overwrite: bool = Fal
     if overwrite:
         if not run_dir.is_dir():
             raise ConfigError(f"{run_dir} is a file, not a run folder; move it away")
-        shutil.rmtree(run_dir)
+        if os.environ.get("RANK", "0") == "0":  # one process of a torchrun job deletes
+            shutil.rmtree(run_dir)
         return cfg, f"{run_dir} emptied (--overwrite)"
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # the processes of one job could pick different new names: refuse, same in each
+        raise ConfigError(f"{run_dir} exists: give --overwrite, --resume or another name "
+                          "(a multi-process run does not pick a new folder itself)")
     i = 2
     while (run_dir.parent / f"{cfg.name}-{i}").exists():
         i += 1
@@ -54,8 +60,6 @@ def check_writable(folder: Path) -> None:
     probe = folder
     while not probe.exists():
         probe = probe.parent
-    import os
-
     if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
         raise ConfigError(f"cannot write the run folder {folder}: {probe} is not a writable "
                           "folder; set output_dir to one you can write")
