@@ -193,7 +193,7 @@ def write_collected(rows: list[dict[str, Any]], out: Path, show: list[str] | Non
                     matrix: bool = False) -> Path:
     """comparison.{md,csv,json,png} under ``out`` (atomic writes); with ``matrix`` also
     matrix.md and matrix.png (rows x columns)."""
-    from ..train.checkpoint import write_json_atomic
+    from ..io import write_json
 
     out.mkdir(parents=True, exist_ok=True)
     md = to_markdown(rows)
@@ -214,7 +214,7 @@ def write_collected(rows: list[dict[str, Any]], out: Path, show: list[str] | Non
         tmp = out / f".{name}.tmp"
         tmp.write_text(text)
         tmp.replace(out / name)
-    write_json_atomic(out / "comparison.json", rows)
+    write_json(out / "comparison.json", rows)
     import matplotlib.pyplot as plt  # after the figures chose the Agg backend
 
     for name, fig in figs:

@@ -385,7 +385,7 @@ def run_compare(base: ExperimentConfig, vary: list[tuple[str, list[str]]], seeds
     ``versus = LABEL``: every row also gets its gap to that variant and Welch's p
     (``versus.add_versus``); the label is checked before anything runs.
     """
-    from ..train.checkpoint import write_json_atomic
+    from ..io import write_json
     from .versus import add_versus, check_reference
 
     variants = expand(base, vary, seeds)
@@ -409,7 +409,7 @@ def run_compare(base: ExperimentConfig, vary: list[tuple[str, list[str]]], seeds
         tmp = out / f".{name}.tmp"
         tmp.write_text(text)
         tmp.replace(out / name)
-    write_json_atomic(out / "comparison.json", rows)
+    write_json(out / "comparison.json", rows)
     varied = {key for key, _ in vary}
     fig = bar_plot(rows, model=None if "model.name" in varied else base.model.name)
     fig.savefig(out / "comparison.png", dpi=120)

@@ -29,7 +29,8 @@ from ..config import (
     run_config_changes,
     with_optim_defaults,
 )
-from ..train.checkpoint import list_checkpoints, write_json_atomic
+from ..io import write_json
+from ..train.checkpoint import list_checkpoints
 from ..train.loop import LoopParts, fit
 from ..train.memory import peak_rss_mb, reset_peak_rss
 from .preflight import preflight
@@ -192,7 +193,7 @@ def run_experiment(cfg: ExperimentConfig, resume: bool = False,
     except BaseException as e:
         if cfg.run_dir.is_dir():
             status = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
-            write_json_atomic(cfg.run_dir / "summary.json", {
+            write_json(cfg.run_dir / "summary.json", {
                 "name": cfg.name, "task": cfg.task.name, "seed": cfg.seed, "status": status,
                 "error": f"{type(e).__name__}: {e}", **provenance(), "started": started,
                 "finished": now(), "wall_seconds": time.perf_counter() - t0,
@@ -236,7 +237,7 @@ def _run_experiment(cfg: ExperimentConfig, resume: bool, stop_after: int | None,
     model = tuner.apply(model, tcfg, task=TaskInfo.from_tokenizer(tok, task_kind(task)))
     params = count_parameters(model, tuner)
     if accelerator.is_main_process:
-        write_json_atomic(run_dir / "plan.json", {"plan": plan.to_list() if plan else []})
+        write_json(run_dir / "plan.json", {"plan": plan.to_list() if plan else []})
 
     max_len = cfg.model.max_length
     train_feats = task.encode(train_ex, tok, max_len)
@@ -321,7 +322,7 @@ def _run_experiment(cfg: ExperimentConfig, resume: bool, stop_after: int | None,
         if summary["degenerate"]:  # loud, at the end of the run's output
             print(f"\n*** WARNING ({cfg.name}): {summary['degenerate']}\n", file=sys.stderr)
         summary.update(finished=now(), wall_seconds=time.perf_counter() - t0)
-        write_json_atomic(run_dir / "summary.json", summary)  # last: the run is complete
+        write_json(run_dir / "summary.json", summary)  # last: the run is complete
     accelerator.wait_for_everyone()
     return {**summary, "is_main_process": accelerator.is_main_process}
 

@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..io import write_json
+
 STATE_FILE = "trainer_state.json"
 
 
@@ -33,13 +35,6 @@ class TrainerState:
     evals: list[dict[str, Any]] = field(default_factory=list)
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
-    """JSON to ``path`` via a temporary file and rename (never half-written)."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2, default=float))
-    os.replace(tmp, path)
-
-
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
     return run_dir / "checkpoints" / f"step-{step:08d}"
 
@@ -53,7 +48,7 @@ def save_checkpoint(accelerator, run_dir: Path, state: TrainerState, keep: int =
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp), safe_serialization=True)
     if accelerator.is_main_process:
-        write_json_atomic(tmp / STATE_FILE, asdict(state))
+        write_json(tmp / STATE_FILE, asdict(state))
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)

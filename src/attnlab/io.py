@@ -1,0 +1,58 @@
+"""Files that are never half-written: one home for atomic writes.
+
+Every file attnlab writes for a user (run summaries, configs, tables, plots, weights,
+reports) is written to a temporary file beside its target and renamed over it
+(``os.replace``, atomic on one file system), so a kill leaves either the old file or the
+new one, never a cut one. The temporary name starts with a dot and carries the process id,
+so concurrent writers (processes of one job) never share one, and readers that list a
+folder skip it. The result gets the usual permissions (0644 under the default umask), not
+the private 0600 of ``tempfile.mkstemp``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+
+def _temp_for(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp{path.suffix}")
+
+
+@contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path to write; on success it replaces ``path``, on error it goes.
+
+    For writers that take a path (safetensors, matplotlib's ``savefig``); the temporary
+    name keeps ``path``'s suffix so format-by-extension writers still work.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _temp_for(path)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def atomic_write(path: str | os.PathLike, data: str | bytes) -> Path:
+    """Write ``data`` (text as UTF-8, or bytes) to ``path`` atomically; returns the path."""
+    path = Path(path)
+    with atomic_path(path) as tmp:
+        if isinstance(data, bytes):
+            tmp.write_bytes(data)
+        else:
+            tmp.write_text(data, encoding="utf-8")
+    return path
+
+
+def write_json(path: str | os.PathLike, data: Any, indent: int | None = 2,
+               default: Callable[[Any], Any] | None = float) -> Path:
+    """JSON to ``path`` atomically (numbers that JSON lacks, e.g. numpy floats, as float)."""
+    return atomic_write(path, json.dumps(data, indent=indent, default=default))
