@@ -8,14 +8,14 @@ fully resolved config next to each run (``runs/<name>/config.yaml``).
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from .core.spec import coerce, unknown_parameter
 
 
 class ConfigError(ValueError):
@@ -106,60 +106,6 @@ class ExperimentConfig:
         return Path(self.output_dir) / self.name
 
 
-def _close(word: str, choices: list[str]) -> str:
-    hits = difflib.get_close_matches(word, choices, n=3, cutoff=0.5)
-    return f" Did you mean {', '.join(repr(h) for h in hits)}?" if hits else ""
-
-
-def _check_type(where: str, tp: Any, val: Any) -> Any:
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if val is None and type(None) in args:
-            return None
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _check_type(where, a, val)
-            except ConfigError:
-                continue
-        raise ConfigError(f"{where}: {val!r} is not a valid {tp}")
-    if tp is Any:
-        return val
-    if origin is list:
-        if not isinstance(val, list):
-            raise ConfigError(f"{where} must be a list, got {val!r}")
-        return val
-    if origin is tuple:
-        if not isinstance(val, (list, tuple)) or len(val) != len(args):
-            raise ConfigError(f"{where} must be a list of {len(args)} values, got {val!r}")
-        return tuple(_check_type(where, a, v) for a, v in zip(args, val, strict=True))
-    if tp is float:
-        if isinstance(val, str):  # YAML 1.1 reads 5e-5 (no dot) as a string
-            try:
-                val = float(val)
-            except ValueError:
-                raise ConfigError(f"{where} must be a number, got {val!r}") from None
-        if isinstance(val, bool) or not isinstance(val, (int, float)):
-            raise ConfigError(f"{where} must be a number, got {val!r}")
-        return float(val)
-    if tp is int:
-        if isinstance(val, bool) or not isinstance(val, int):
-            raise ConfigError(f"{where} must be an integer, got {val!r}")
-        return val
-    if tp is bool:
-        if not isinstance(val, bool):
-            raise ConfigError(f"{where} must be true or false, got {val!r}")
-        return val
-    if tp is str:
-        if isinstance(val, (int, float)) and not isinstance(val, bool):
-            return str(val)
-        if not isinstance(val, str):
-            raise ConfigError(f"{where} must be a string, got {val!r}")
-        return val
-    return val
-
-
 def from_dict(cls: type, data: dict[str, Any], where: str = "") -> Any:
     """Build dataclass ``cls`` from a mapping, recursively, with clear key/type errors."""
     if not isinstance(data, dict):
@@ -170,13 +116,16 @@ def from_dict(cls: type, data: dict[str, Any], where: str = "") -> Any:
     for key, val in data.items():
         path = f"{where}.{key}" if where else key
         if key not in names:
-            raise ConfigError(f"unknown config key {path!r}.{_close(key, names)} "
-                              f"Known keys here: {', '.join(names)}.")
+            owner = f"config section {where!r}" if where else "the config"
+            raise ConfigError(unknown_parameter(key, owner, names))
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
             kwargs[key] = from_dict(tp, val or {}, path)
         else:
-            kwargs[key] = _check_type(path, tp, val)
+            try:
+                kwargs[key] = coerce(path, tp, val, from_yaml=True)
+            except TypeError as e:
+                raise ConfigError(str(e)) from None
     return cls(**kwargs)
 
 

@@ -247,7 +247,7 @@ def test_bad_inputs_name_the_fix():
     acc.update(torch.rand(1, 1, 2, N, N), [single()])
     with pytest.raises(ValueError, match="earlier batches"):
         acc.update(torch.rand(1, 1, 3, N, N), [single()])
-    with pytest.raises(RegistryError, match="Did you mean 'diagonal'"):
+    with pytest.raises(RegistryError, match="did you mean 'diagonal'"):
         build_scorer("diagonl")
 
 

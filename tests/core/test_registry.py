@@ -25,7 +25,7 @@ def test_parse_spec_errors_are_clear(bad):
 def test_unknown_mechanism_names_close_matches():
     with pytest.raises(RegistryError, match=r"unknown mechanism 'softmx'.*'softmax'"):
         attnlab.build_mechanism("softmx", attnlab.HeadDims(2, 8))
-    with pytest.raises(RegistryError, match=r"unknown mechanism 'BAND'.*Did you mean 'band'"):
+    with pytest.raises(RegistryError, match=r"unknown mechanism 'BAND'.*did you mean 'band'"):
         attnlab.build_mechanism("BAND(window=2)", attnlab.HeadDims(2, 8))
 
 
@@ -33,7 +33,7 @@ def test_unknown_key_names_close_matches():
     name = "band" if "band" in attnlab.list_mechanisms() else None
     if name is None:
         pytest.skip("band not registered")
-    with pytest.raises(RegistryError, match=r"unknown key 'windw'.*'window'"):
+    with pytest.raises(RegistryError, match=r"unknown parameter 'windw'.*'window'"):
         resolve_config("band(windw=3)")
 
 

@@ -77,14 +77,14 @@ def test_unknown_mechanism_names_the_rule():
 
 
 def test_unknown_key_names_the_rule_and_close_match():
-    with pytest.raises(PlanError, match=r"rule 0 .*unknown key 'epz'.*'eps'"):
+    with pytest.raises(PlanError, match=r"rule 0 .*unknown parameter 'epz'.*'eps'"):
         Plan.parse([{"layers": "all", "heads": "all", "mechanism": "linear_elu(epz=1)"}])
 
 
 def test_bad_rule_shapes():
     with pytest.raises(PlanError, match="missing 'mechanism'"):
         Plan.parse([{"layers": "all"}])
-    with pytest.raises(PlanError, match="unknown key"):
+    with pytest.raises(PlanError, match="unknown parameter"):
         Plan.parse([{"layers": "all", "head": "all", "mechanism": "softmax"}])
     with pytest.raises(PlanError, match="LAYERS:HEADS:SPEC"):
         Plan.parse("0:softmax")

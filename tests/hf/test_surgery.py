@@ -136,7 +136,7 @@ def test_head_index_12_on_12_head_model(bert_factory):
 def test_unknown_mechanism_and_key_are_clear(tiny_bert):
     with pytest.raises(PlanError, match="unknown mechanism 'talking_head'.*talking_heads"):
         apply_plan(tiny_bert, "all:all:talking_head")
-    with pytest.raises(PlanError, match="unknown key 'windw'"):
+    with pytest.raises(PlanError, match="unknown parameter 'windw'"):
         apply_plan(tiny_bert, "all:all:linformer(windw=3)")
 
 

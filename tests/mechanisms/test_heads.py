@@ -167,5 +167,5 @@ def test_mqa_caps_and_spec():
     assert (caps.family, caps.scope, caps.kv_heads, caps.exact) == ("heads", "module", 1,
                                                                      False)
     assert resolve_config("mqa") == resolve_config("mqa()")
-    with pytest.raises(RegistryError, match="unknown key"):
+    with pytest.raises(RegistryError, match="unknown parameter"):
         resolve_config("mqa(kv_heads=2)")

@@ -121,7 +121,7 @@ def test_spec_strings_parse_and_validate():
         resolve_config("linear_elu(eps=0)")
     with pytest.raises(RegistryError, match="chunk"):
         resolve_config("linear_elu(chunk=0)")
-    with pytest.raises(RegistryError, match="Did you mean 'eps'"):
+    with pytest.raises(RegistryError, match="did you mean 'eps'"):
         resolve_config("linear_elu(esp=1e-3)")
 
 

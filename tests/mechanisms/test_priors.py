@@ -103,5 +103,5 @@ def test_caps_and_spec():
     caps = attnlab.core.mechanism_class("realformer").caps
     assert (caps.family, caps.exact, caps.scope) == ("priors", False, "layer")
     assert resolve_config("realformer") == resolve_config("realformer()")
-    with pytest.raises(RegistryError, match="unknown key"):
+    with pytest.raises(RegistryError, match="unknown parameter"):
         resolve_config("realformer(alpha=1)")

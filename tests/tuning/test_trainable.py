@@ -89,9 +89,9 @@ def test_applying_twice_is_an_error():
 def test_unknown_tuning_key_names_the_fix():
     from attnlab.core import RegistryError
 
-    with pytest.raises(RegistryError, match=r"unknown key 'rank' for tuner 'lora'"):
+    with pytest.raises(RegistryError, match=r"unknown parameter 'rank' for tuner 'lora'"):
         resolve_tuning("lora(rank=8)")
-    with pytest.raises(RegistryError, match=r"Did you mean 'pasta'"):
+    with pytest.raises(RegistryError, match=r"did you mean 'pasta'"):
         resolve_tuning("pastaa")
     assert resolve_tuning(None)[1].name == "full"
     assert resolve_tuning({"name": "lora", "r": 4})[1].r == 4

@@ -26,7 +26,6 @@ float64, see :class:`HeadScoreAccumulator`), so a dev set never has to sit in me
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -35,7 +34,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 from torch import Tensor
 
-from attnlab.core import Registry, RegistryError, parse_spec
+from attnlab.core import Registry
 
 # TokenInfo and token_infos live in tokens.py; re-exported here for older imports.
 from .tokens import TokenInfo as TokenInfo
@@ -94,7 +93,7 @@ class HeadScorer(Protocol):
     def __call__(self, view: HeadView) -> Tensor | None: ...
 
 
-SCORERS: Registry[type] = Registry("head scorer")
+SCORERS: Registry[type] = Registry("head scorer", example="vertical_pasta(cutoff=0.8)")
 
 
 def register_scorer(cls: type) -> type:
@@ -248,31 +247,7 @@ ScorerSpec = str | Mapping[str, Any] | HeadScorer
 
 def build_scorer(spec: ScorerSpec) -> HeadScorer:
     """``"vertical_pasta(cutoff=0.8)"``, ``{"name": "diagonal"}`` or an instance -> scorer."""
-    if isinstance(spec, str):
-        name, kwargs = parse_spec(spec)
-    elif isinstance(spec, Mapping):
-        kwargs = dict(spec)
-        if "name" not in kwargs:
-            raise RegistryError(f"scorer mapping {dict(spec)!r} needs a 'name' key")
-        name = kwargs.pop("name")
-    elif dataclasses.is_dataclass(spec) and getattr(spec, "name", None):
-        return spec
-    else:
-        raise TypeError(f"scorer spec must be a string, mapping or scorer, got {type(spec)}")
-    cls = SCORERS.get(name)
-    fields = [f.name for f in dataclasses.fields(cls)]
-    for key in kwargs:
-        if key not in fields:
-            hits = difflib.get_close_matches(key, fields, n=3, cutoff=0.5)
-            hint = f" Did you mean {', '.join(map(repr, hits))}?" if hits else ""
-            raise RegistryError(
-                f"unknown key {key!r} for head scorer {name!r}.{hint} "
-                f"Known keys: {', '.join(fields) or '(none)'}."
-            )
-    try:
-        return cls(**kwargs)
-    except (TypeError, ValueError) as e:
-        raise RegistryError(f"invalid {name} scorer: {e}") from None
+    return SCORERS.config(spec)
 
 
 def scorer_label(scorer: HeadScorer) -> str:

@@ -14,14 +14,21 @@ from .reference import causal_mask, masked_softmax, reference_attention
 from .registry import (
     MECHANISMS,
     Registry,
-    RegistryError,
     build_mechanism,
     list_mechanisms,
-    make_config,
     mechanism_class,
-    parse_spec,
     register_mechanism,
     resolve_config,
+)
+from .spec import (
+    RegistryError,
+    build_config,
+    coerce,
+    did_you_mean,
+    parse_spec,
+    split_spec,
+    unknown_name,
+    unknown_parameter,
 )
 
 __all__ = [
@@ -39,10 +46,15 @@ __all__ = [
     "check_qkv",
     "key_mask_from_lengths",
     "list_mechanisms",
-    "make_config",
+    "build_config",
+    "coerce",
+    "did_you_mean",
     "masked_softmax",
     "mechanism_class",
     "parse_spec",
+    "split_spec",
+    "unknown_name",
+    "unknown_parameter",
     "pattern_bias",
     "reference_attention",
     "register_mechanism",

@@ -1,46 +1,32 @@
-"""One generic registry, the mechanism registry, and the spec-string parser.
+"""One generic registry and the mechanism registry.
 
-Spec strings: ``band(window=64)``, ``jat(rho=5, coef=0.5)``,
-``longformer(window=64, global_tokens=[0])``, or a bare name ``softmax``. Values are Python
-literals (ints, floats, strings, bools, lists). YAML/JSON give the same as a mapping
-``{"name": "band", "window": 64}``.
+A :class:`Registry` maps lower-snake-case names to things (mechanism classes, tuners, head
+scorers, tasks) with close-match errors; when its things carry a ``config_cls`` it also
+turns a spec (``band(window=64)``, a mapping, or a config) into that config
+(:meth:`Registry.config`), through the one grammar of :mod:`attnlab.core.spec`.
 """
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import difflib
-import types
-import typing
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Generic, TypeVar
 
 from .protocol import HeadDims, MechanismConfig
+from .spec import RegistryError, build_config, split_spec, unknown_name
 
 T = TypeVar("T")
 
 
-class RegistryError(KeyError):
-    """Unknown name or bad spec; the message names close matches and the fix."""
-
-    def __str__(self) -> str:  # KeyError quotes its message; show it plainly
-        return str(self.args[0]) if self.args else ""
-
-
-def _close(word: str, choices: list[str]) -> str:
-    """" Did you mean ...?" from the closest choices, case-insensitively (BAND -> band)."""
-    lower = {c.lower(): c for c in choices}
-    hits = [lower[h] for h in difflib.get_close_matches(word.lower(), list(lower), n=3,
-                                                        cutoff=0.5)]
-    return f" Did you mean {', '.join(repr(h) for h in hits)}?" if hits else ""
-
-
 class Registry(Generic[T]):
-    """Name -> object, with helpful errors. ``kind`` names what is registered (for messages)."""
+    """Name -> object, with helpful errors.
 
-    def __init__(self, kind: str) -> None:
+    kind: what is registered (for messages); example: a valid spec (for messages).
+    """
+
+    def __init__(self, kind: str, example: str | None = None) -> None:
         self.kind = kind
+        self.example = example or kind
         self._items: dict[str, T] = {}
 
     def register(self, name: str, obj: T) -> T:
@@ -55,10 +41,19 @@ class Registry(Generic[T]):
         try:
             return self._items[name]
         except KeyError:
-            raise RegistryError(
-                f"unknown {self.kind} {name!r}.{_close(name, list(self._items))} "
-                f"Known: {', '.join(sorted(self._items))}."
-            ) from None
+            raise RegistryError(unknown_name(self.kind, name, list(self._items))) from None
+
+    def config(self, spec: str | Mapping[str, Any] | Any) -> Any:
+        """Spec string, mapping ``{"name": ..., **parameters}`` or config -> the config of the
+        registered thing (its ``config_cls``, or the thing itself when it is a config
+        dataclass, like a head scorer), every parameter checked."""
+        if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+            self.get(spec.name)  # a config of something registered here
+            return spec
+        name, kwargs = split_spec(spec, self.kind, self.example)
+        item = self.get(name)
+        config_cls = getattr(item, "config_cls", item)
+        return build_config(config_cls, kwargs, f"{self.kind} {name!r}")
 
     def names(self) -> list[str]:
         return sorted(self._items)
@@ -73,7 +68,7 @@ class Registry(Generic[T]):
         return len(self._items)
 
 
-MECHANISMS: Registry[type] = Registry("mechanism")
+MECHANISMS: Registry[type] = Registry("mechanism", example="band(window=64)")
 
 
 def register_mechanism(config_cls: type[MechanismConfig]) -> Callable[[type], type]:
@@ -105,123 +100,9 @@ def mechanism_class(name: str) -> type:
     return MECHANISMS.get(name)
 
 
-# ----------------------------------------------------------------------------- spec parsing
-
-
-def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
-    """``"band(window=4)"`` -> ``("band", {"window": 4})``. Only keyword arguments."""
-    text = spec.strip()
-    try:
-        node = ast.parse(text, mode="eval").body
-    except SyntaxError as e:
-        raise RegistryError(
-            f"cannot parse mechanism spec {spec!r}: {e.msg}. "
-            "Write it as name(key=value, ...), e.g. band(window=64)"
-        ) from None
-    if isinstance(node, ast.Name):
-        return node.id, {}
-    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
-        raise RegistryError(f"mechanism spec {spec!r} must look like name(key=value, ...)")
-    if node.args:
-        raise RegistryError(
-            f"mechanism spec {spec!r}: positional arguments are not allowed; "
-            "name every value, e.g. band(window=64)"
-        )
-    kwargs: dict[str, Any] = {}
-    for kw in node.keywords:
-        if kw.arg is None:
-            raise RegistryError(f"mechanism spec {spec!r}: ** is not allowed")
-        try:
-            kwargs[kw.arg] = ast.literal_eval(kw.value)
-        except ValueError:
-            raise RegistryError(
-                f"mechanism spec {spec!r}: value of {kw.arg!r} is not a literal "
-                f"(numbers, strings in quotes, True/False, lists)"
-            ) from None
-    return node.func.id, kwargs
-
-
-def _coerce(cfg_name: str, fname: str, ftype: Any, val: Any) -> Any:
-    """Light type checking: ints for floats, lists -> tuples, bool is not an int."""
-    origin = typing.get_origin(ftype)
-    args = typing.get_args(ftype)
-    if origin in (typing.Union, types.UnionType):
-        if val is None and type(None) in args:
-            return None
-        errors = []
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _coerce(cfg_name, fname, a, val)
-            except TypeError as e:
-                errors.append(str(e))
-        raise TypeError(errors[0] if errors else f"{cfg_name}.{fname}: bad value {val!r}")
-    if origin is typing.Literal:
-        if val not in args:
-            raise TypeError(f"{cfg_name}.{fname} must be one of {list(args)}, got {val!r}")
-        return val
-    if origin is tuple:
-        if not isinstance(val, (list, tuple)):
-            val = [val]
-        inner = args[0] if args else Any
-        return tuple(_coerce(cfg_name, fname, inner, v) for v in val)
-    if ftype is float:
-        if isinstance(val, bool) or not isinstance(val, (int, float)):
-            raise TypeError(f"{cfg_name}.{fname} must be a number, got {val!r}")
-        return float(val)
-    if ftype is int:
-        if isinstance(val, bool) or not isinstance(val, int):
-            raise TypeError(f"{cfg_name}.{fname} must be an integer, got {val!r}")
-        return val
-    if ftype is bool:
-        if not isinstance(val, bool):
-            raise TypeError(f"{cfg_name}.{fname} must be True or False, got {val!r}")
-        return val
-    if ftype is str:
-        if not isinstance(val, str):
-            raise TypeError(f"{cfg_name}.{fname} must be a string, got {val!r}")
-        return val
-    return val
-
-
-def make_config(config_cls: type[MechanismConfig], kwargs: Mapping[str, Any]) -> MechanismConfig:
-    """Build a config from keyword values, with close-match errors for unknown keys."""
-    fields = {f.name: f for f in dataclasses.fields(config_cls)}
-    hints = typing.get_type_hints(config_cls)
-    clean: dict[str, Any] = {}
-    for key, val in kwargs.items():
-        if key not in fields:
-            known = ", ".join(fields) or "(none)"
-            raise RegistryError(
-                f"unknown key {key!r} for mechanism {config_cls.name!r}."
-                f"{_close(key, list(fields))} Known keys: {known}."
-            )
-        try:
-            clean[key] = _coerce(config_cls.name, key, hints[key], val)
-        except TypeError as e:
-            raise RegistryError(str(e)) from None
-    try:
-        return config_cls(**clean)
-    except (ValueError, TypeError) as e:
-        raise RegistryError(f"invalid {config_cls.name} config: {e}") from None
-
-
 def resolve_config(spec: str | Mapping[str, Any] | MechanismConfig) -> MechanismConfig:
     """Spec string, mapping ``{"name": ..., **kw}`` or config -> config instance."""
-    if isinstance(spec, MechanismConfig):
-        return spec
-    if isinstance(spec, str):
-        name, kwargs = parse_spec(spec)
-    elif isinstance(spec, Mapping):
-        kwargs = dict(spec)
-        if "name" not in kwargs:
-            raise RegistryError(f"mechanism mapping {dict(spec)!r} needs a 'name' key")
-        name = kwargs.pop("name")
-    else:
-        raise TypeError(f"mechanism spec must be a string, mapping or config, got {type(spec)}")
-    cls = mechanism_class(name)
-    return make_config(cls.config_cls, kwargs)
+    return MECHANISMS.config(spec)
 
 
 def build_mechanism(spec: str | Mapping[str, Any] | MechanismConfig, dims: HeadDims):

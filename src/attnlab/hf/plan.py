@@ -33,7 +33,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ..core import MechanismConfig, RegistryError, resolve_config
+import yaml
+
+from ..core import MechanismConfig, RegistryError, resolve_config, unknown_parameter
 
 All = Literal["all"]
 Indices = All | tuple[int, ...]
@@ -156,12 +158,10 @@ class Rule:
 
 def _rule_from_mapping(raw: Mapping[str, Any], pos: int) -> Rule:
     where = f"plan rule {pos} ({dict(raw)!r})"
-    unknown = set(raw) - {"layers", "heads", "mechanism"}
+    unknown = sorted(set(raw) - {"layers", "heads", "mechanism"})
     if unknown:
-        raise PlanError(
-            f"{where}: unknown key(s) {sorted(unknown)}; a rule has exactly 'layers', 'heads' "
-            "and 'mechanism'"
-        )
+        raise PlanError(f"{where}: " + unknown_parameter(unknown[0], "a plan rule",
+                                                          ["layers", "heads", "mechanism"]))
     if "mechanism" not in raw:
         raise PlanError(f"{where}: missing 'mechanism', e.g. mechanism: band(window=64)")
     layers = parse_indices(raw.get("layers", "all"), f"{where}, layers")
@@ -260,8 +260,6 @@ class Plan:
                 return cls.parse(json.loads(s))
             except json.JSONDecodeError:
                 pass
-            import yaml
-
             try:
                 data = yaml.safe_load(s)
             except yaml.YAMLError as e:

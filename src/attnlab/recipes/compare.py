@@ -77,7 +77,7 @@ def plan_value(value: str) -> list[str]:
 
 def _with_args(name: str, value: str) -> list[str]:
     """Rules of the named plan ``name`` with the arguments of ``value`` merged into each spec."""
-    from ..core.registry import RegistryError, parse_spec
+    from ..core import RegistryError, parse_spec
 
     try:
         _, args = parse_spec(value)

@@ -26,7 +26,6 @@ top-level child of the model
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 import tempfile
 from collections.abc import Iterable, Mapping
@@ -37,7 +36,7 @@ from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from attnlab.core import Registry, RegistryError, make_config, parse_spec
+from attnlab.core import Registry
 
 TaskKind = Literal["single", "pair", "ner", "qa", "other"]
 RECORD_ATTR = "_attnlab_tuning"
@@ -192,7 +191,7 @@ class RequiresGradTuner:
         return None
 
 
-TUNERS: Registry[Tuner] = Registry("tuner")
+TUNERS: Registry[Tuner] = Registry("tuner", example="lora(r=8)")
 
 
 def register_tuner(config_cls: type[TunerConfig]):
@@ -223,32 +222,8 @@ def get_tuner(name: str) -> Tuner:
 def resolve_tuning(spec: str | Mapping[str, Any] | TunerConfig | None = None
                    ) -> tuple[Tuner, TunerConfig]:
     """``"lora(r=8)"``, ``{"name": "lora", "r": 8}``, a config, or None (= ``full``)."""
-    if spec is None:
-        spec = "full"
-    if isinstance(spec, TunerConfig):
-        return get_tuner(spec.name), spec
-    if isinstance(spec, str):
-        try:
-            name, kwargs = parse_spec(spec)
-        except RegistryError as e:  # core's parser speaks of mechanisms
-            raise RegistryError(str(e).replace("mechanism spec", "tuning spec")
-                                .replace("band(window=64)", "lora(r=8)")) from None
-    elif isinstance(spec, Mapping):
-        kwargs = dict(spec)
-        if "name" not in kwargs:
-            raise RegistryError(f"tuning mapping {dict(spec)!r} needs a 'name' key")
-        name = kwargs.pop("name")
-    else:
-        raise TypeError(f"tuning spec must be a string, mapping or config, got {type(spec)}")
-    tuner = get_tuner(name)
-    known = [f.name for f in dataclasses.fields(tuner.config_cls)]
-    for key in kwargs:
-        if key not in known:
-            close = difflib.get_close_matches(key, known, n=3, cutoff=0.5)
-            hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
-            raise RegistryError(f"unknown key {key!r} for tuner {name!r}.{hint} "
-                                f"Known keys: {', '.join(known) or '(none)'}.")
-    return tuner, make_config(tuner.config_cls, kwargs)  # type coercion + __post_init__ checks
+    cfg = TUNERS.config("full" if spec is None else spec)
+    return get_tuner(cfg.name), cfg
 
 
 # ----------------------------------------------------------------------------- model anatomy

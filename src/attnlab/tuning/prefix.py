@@ -25,6 +25,10 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from ..core import mechanism_class, parse_spec
+from ..hf.arch import inspect_model
+from ..hf.prefix import install_prefix
+from ..hf.surgery import applied_report, switch_to_attnlab
 from .base import (
     RequiresGradTuner,
     TaskInfo,
@@ -57,9 +61,6 @@ def _refuse_incompatible_plan(model: nn.Module, cfg: PrefixTunerConfig) -> None:
     """Prefix tuning prepends virtual keys (m = n + p); mechanisms that read key j as token j
     (band, linformer, jat, ...) would pair query i with the wrong keys, and a layer whose K/V
     projections were shrunk (mqa) has fewer K/V heads than the prefix."""
-    from attnlab.core.registry import mechanism_class, parse_spec
-    from attnlab.hf.surgery import applied_report
-
     report = applied_report(model)
     if report is None:
         return
@@ -86,10 +87,6 @@ class PrefixTuner(RequiresGradTuner):
 
     def apply(self, model: nn.Module, cfg: PrefixTunerConfig, task: TaskInfo | None = None
               ) -> nn.Module:
-        from attnlab.hf.arch import inspect_model
-        from attnlab.hf.prefix import install_prefix
-        from attnlab.hf.surgery import switch_to_attnlab
-
         _refuse_incompatible_plan(model, cfg)
         record = start_tuning(model, cfg)
         host = inspect_model(model)
