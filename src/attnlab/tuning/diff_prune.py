@@ -47,6 +47,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from .base import (
+    FinalizeStage,
     OptimRecipe,
     TaskInfo,
     TunerConfig,
@@ -200,7 +201,6 @@ def diff_modules(model: nn.Module) -> dict[str, DiffParametrization]:
 class DiffPruneTuner:
     """Parametrises every backbone parameter; trains w, log_alpha and the head."""
 
-    finalize_changes_model = True  # the runner finalizes, then re-evaluates the pruned model
 
     def apply(self, model: nn.Module, cfg: DiffPruneConfig, task: TaskInfo | None = None
               ) -> nn.Module:
@@ -225,6 +225,10 @@ class DiffPruneTuner:
 
     def trainable_parameters(self, model: nn.Module) -> list[tuple[str, nn.Parameter]]:
         return requires_grad_parameters(model)
+
+    def finalize_stage(self, cfg: DiffPruneConfig) -> FinalizeStage:
+        """Prune after training, then ``mask_epochs`` epochs with the mask fixed."""
+        return FinalizeStage(epochs=cfg.mask_epochs, lr=cfg.mask_lr)
 
     def param_options(self, model: nn.Module) -> dict[int, dict]:
         """log_alpha trains at its own lr (``alpha_lr``, no weight decay), as the official
