@@ -97,7 +97,7 @@ def test_validate_reports_unknown_mechanism_in_plan(tmp_path):
 def test_run_overrides_take_named_plans():
     """plan=NAME on run/validate means what it means in compare --vary plan=NAME."""
     from attnlab.cli import _load
-    from attnlab.recipes.compare import plan_value
+    from attnlab.presets import plan_value
 
     root = Path(__file__).resolve().parents[1]
     cfg = str(root / "configs/jat/cola.yaml")
@@ -153,14 +153,15 @@ def test_vary_values_with_commas_use_pipes():
 
 
 def test_named_plan_with_arguments_is_a_grid_point():
-    from attnlab.config import ConfigError
-    from attnlab.recipes.compare import parse_vary, plan_value
+    from attnlab.core import RegistryError
+    from attnlab.presets import plan_value
+    from attnlab.recipes.compare import parse_vary
 
     (_, values), = parse_vary(["plan=jat(rho=4.5),jat_late(rho=10.0, order=2)"])
     assert plan_value(values[0]) == ["0,1,4,5:0,2,4,6,8,10:jat(rho=4.5, coef=0.5)"]
     assert plan_value(values[1]) == ["3,4,5:0,2,4,6,8,10:jat(rho=10.0, coef=0.5, order=2)"]
     assert plan_value("jat_early") == ["0,1,2:0,2,4,6,8,10:jat(rho=5.0, coef=0.5)"]
-    with pytest.raises(ConfigError, match="unknown plan 'jatt"):
+    with pytest.raises(RegistryError, match="unknown plan 'jatt"):
         plan_value("jatt(rho=4.5)")
 
 
@@ -241,3 +242,12 @@ def test_run_in_bf16_autocast_with_a_jat_plan(tmp_path):
     lines = (tmp_path / "bf16" / "metrics.jsonl").read_text().splitlines()
     losses = [json.loads(x)["loss"] for x in lines if '"loss"' in x]
     assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
+
+
+def test_ls_lists_the_named_plans():
+    from attnlab.presets import NAMED_PLANS
+
+    res = runner.invoke(app, ["ls", "--plans", "--json"])
+    assert res.exit_code == 0 and json.loads(res.output) == NAMED_PLANS
+    table = runner.invoke(app, ["ls", "--plans"], env={"COLUMNS": "80"})
+    assert all(name in table.output for name in NAMED_PLANS)

@@ -6,6 +6,7 @@ import pytest
 from typer.testing import CliRunner
 
 from attnlab.cli import app
+from attnlab.recipes.summary import RunSummary
 
 runner = CliRunner()
 TINY = ["task.data_dir=builtin", "model.name=scratch:tiny", "model.max_length=16",
@@ -110,8 +111,9 @@ def test_diff_prune_rows_show_what_they_kept():
                   "backbone_total": 22_713_216}
         if effective is not None:
             params["effective_without_head"] = effective
-        return {"main_metric": "mcc", "best_metric": metric, "params": params,
-                "seconds_per_step": 1.0, "peak_rss_mb": 1.0}
+        return RunSummary.from_dict({"main_metric": "mcc", "best_metric": metric,
+                                     "params": params, "seconds_per_step": 1.0,
+                                     "peak_rss_mb": 1.0})
 
     dp = summarise("diff_prune@cola", [summary(22_713_216, 113_567)] * 2)
     lora = summarise("lora@cola", [summary(73_728, None)] * 2)  # older summaries: no key
@@ -128,9 +130,10 @@ def test_diff_prune_rows_show_what_they_kept():
 
 
 def _summary(metric):
-    return {"main_metric": "spearmanr", "best_metric": metric, "seconds_per_step": 0.5,
-            "peak_rss_mb": 100.0, "params": {"trainable_total": 10, "trainable_without_head": 8,
-                                             "percent_of_backbone": 1.0}}
+    return RunSummary.from_dict({
+        "main_metric": "spearmanr", "best_metric": metric, "seconds_per_step": 0.5,
+        "peak_rss_mb": 100.0, "params": {"trainable_total": 10, "trainable_without_head": 8,
+                                         "percent_of_backbone": 1.0}})
 
 
 def test_seeds_without_a_metric_are_left_out_and_said_so():
@@ -160,7 +163,8 @@ def test_collect_warns_about_seeds_it_leaves_out(tmp_path):
     left out of the row, and collect says which."""
     from attnlab.recipes.collect import _row
 
-    for k, summary in ((0, _summary(0.4)), (1, None), (2, {**_summary(0.5), "interrupted": True})):
+    cut = {**_summary(0.5).to_dict(), "interrupted": True}
+    for k, summary in ((0, _summary(0.4).to_dict()), (1, None), (2, cut)):
         (tmp_path / f"seed-{k}").mkdir()
         if summary is not None:
             (tmp_path / f"seed-{k}" / "summary.json").write_text(json.dumps(summary))

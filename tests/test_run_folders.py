@@ -86,7 +86,10 @@ def test_a_failed_run_writes_status_failed_with_the_error(tmp_path, monkeypatch)
 
 
 def test_collect_and_compare_leave_failed_runs_out():
-    from attnlab.recipes.rundir import is_finished
+    from attnlab.recipes.summary import RunSummary
+
+    def is_finished(data):
+        return RunSummary.from_dict(data).is_finished
 
     assert is_finished({"status": "finished"}) and is_finished({})  # older summaries
     assert not is_finished({"status": "failed"}) and not is_finished({"interrupted": True})

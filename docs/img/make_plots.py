@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from attnlab.analysis.plots import figure_bytes
-from attnlab.analysis.report import write_atomic
 from attnlab.bench.plots import scaling_plot
+from attnlab.io import atomic_write
 from attnlab.recipes import figures
 
 HERE = Path(__file__).resolve().parent
@@ -114,7 +114,7 @@ BENCH_JAT_H100 = [(128, "naive", 5, 774), (128, "efficient", 8, 102),
 
 
 def _save(fig: Any, name: str) -> Path:
-    return write_atomic(HERE / f"{name}.png", figure_bytes(fig, "png", dpi=DPI))
+    return atomic_write(HERE / f"{name}.png", figure_bytes(fig, "png", dpi=DPI))
 
 
 def jat_conll2003_h100() -> Path:

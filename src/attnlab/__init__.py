@@ -4,6 +4,8 @@ One protocol over the map of attention variants, usable in chosen layers and hea
 Hugging Face encoder, with every fast path checked against an exact reference.
 """
 
+from importlib import import_module as _import_module
+
 from . import mechanisms  # noqa: F401  (registers the built-in mechanisms)
 from .core import (
     AttnContext,
@@ -40,10 +42,8 @@ _LAZY = {
 def __getattr__(name: str):
     # transformers is imported only when a Hugging Face entry point is first used.
     if name in _LAZY:
-        import importlib
-
         mod, attr = _LAZY[name]
-        return getattr(importlib.import_module(mod), attr)
+        return getattr(_import_module(mod), attr)
     raise AttributeError(f"module 'attnlab' has no attribute {name!r}")
 
 

@@ -75,10 +75,25 @@ def _user_errors() -> Iterator[None]:
 def ls(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
     markdown: Annotated[bool, typer.Option("--markdown", help="Print the docs catalogue.")] = False,
+    plans: Annotated[bool, typer.Option(
+        "--plans", help="List the named plans (plan=NAME) instead.")] = False,
 ) -> None:
-    """List every registered attention mechanism."""
+    """List every registered attention mechanism (or, with --plans, every named plan)."""
     from .catalogue import catalogue_markdown, catalogue_rows
 
+    if plans:
+        from .presets import NAMED_PLANS
+
+        if as_json:
+            typer.echo(json.dumps(NAMED_PLANS, indent=2))
+            return
+        table = Table(title=f"named plans ({len(NAMED_PLANS)}): plan=NAME, or NAME(key=value)")
+        table.add_column("name", no_wrap=True)
+        table.add_column("rules (LAYERS:HEADS:SPEC)", overflow="fold")
+        for name, rules in NAMED_PLANS.items():
+            table.add_row(name, "; ".join(rules) or "(none: every head softmax)")
+        console.print(table)
+        return
     if markdown:
         typer.echo(catalogue_markdown(), nl=False)
         return
@@ -148,22 +163,6 @@ Overrides = Annotated[
 ]
 
 
-def _named_plans(overrides: list[str]) -> list[str]:
-    """``plan=jat``, ``plan=jat(rho=4.5)``, ``plan=0-2:all:band(window=8)``: the named plans
-    and rules of ``compare --vary plan=...``, turned into the YAML list the config takes."""
-    import json
-
-    from .recipes.compare import plan_value
-
-    out = []
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if sep and key.strip() == "plan" and value.strip()[:1] not in ("[", ""):
-            item = "plan=" + json.dumps(plan_value(value))
-        out.append(item)
-    return out
-
-
 def _load(config: str | None, overrides: list[str] | None):
     from pathlib import Path
 
@@ -172,7 +171,7 @@ def _load(config: str | None, overrides: list[str] | None):
     if config is not None and "=" in config and not Path(config).exists():
         config, overrides = None, [config, *(overrides or [])]  # no file: all overrides
     try:
-        return load_config(config, _named_plans(overrides or []))
+        return load_config(config, overrides or [])
     except ConfigError as e:
         _fail(str(e))
 
@@ -304,7 +303,7 @@ def compare(
         cfg, note = fresh_run(cfg, resume=resume, overwrite=overwrite)
         if note:
             console.print(note, markup=False)
-    try:
+    with _user_errors():
         if parallel < 1:
             raise ConfigError(f"--parallel {parallel}: give 1 or more runs at a time")
         if best_seeds is not None and best_seeds <= seeds:
@@ -313,8 +312,6 @@ def compare(
         rows, out = run_compare(cfg, parse_vary(vary or []), seeds, run_experiment,
                                 resume=resume, parallel=parallel, best_seeds=best_seeds,
                                 versus=versus)
-    except ConfigError as e:
-        _fail(str(e))
     console.print(to_markdown(rows), markup=False)
     console.print(f"saved {out}/comparison.md, comparison.csv, comparison.png")
 

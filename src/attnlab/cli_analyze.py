@@ -1,7 +1,8 @@
 """``attnlab analyze heads`` and ``attnlab report``: thin wrappers over recipes.analyze.
 
 Registered in ``cli.py`` with ``app.add_typer(analyze_app, name="analyze")`` and
-``app.command("report")(report)``. Imports stay lazy so ``attnlab --help`` loads no torch.
+``app.command("report")(report)``. The recipes, attnlab.hf (transformers) and the plots
+(matplotlib) are imported inside the commands, so ``attnlab --help`` stays fast.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from typing import Annotated, Any, TypeVar
 import typer
 from rich.console import Console
 from rich.table import Table
+
+from .core import RegistryError
 
 T = TypeVar("T")
 analyze_app = typer.Typer(
@@ -32,7 +35,7 @@ def _fail(message: str) -> None:
 
 def _progress(items: Iterable[T], total: int, description: str) -> Iterable[T]:
     """A rich progress bar over batches (on stderr, so tables on stdout stay clean)."""
-    from rich.progress import track
+    from rich.progress import track  # start-up: only commands that show a bar need it
 
     return track(items, total=total, description=description, console=err_console,
                  transient=True)
@@ -40,13 +43,13 @@ def _progress(items: Iterable[T], total: int, description: str) -> Iterable[T]:
 
 def _errors() -> tuple[type[BaseException], ...]:
     """What bad input raises: missing files, bad specs, unknown tasks, malformed data."""
-    from .core import RegistryError
-    from .hf.arch import UnsupportedModelError
+    from .hf.arch import UnsupportedModelError  # start-up: attnlab.hf loads transformers
 
     return (FileNotFoundError, ValueError, KeyError, RegistryError, UnsupportedModelError)
 
 
 def _print_summary(result: Any, out: Path) -> None:
+    # start-up: the plots load matplotlib, the recipe transformers
     from .analysis.plots import CLASS_ABBREV
     from .recipes.analyze import SUMMARY_SCORES, layer_summary
 
@@ -98,7 +101,7 @@ def heads(
     examples: Annotated[int, typer.Option(help="Examples kept for the report explorer.")] = 4,
 ) -> None:
     """Score every head (vertical, diagonal, block, entropy, ...), classify, and plot."""
-    from .recipes import analyze as rec
+    from .recipes import analyze as rec  # start-up: the recipe loads transformers
 
     if compare is not None and model is not None:
         _fail("give either MODEL or --compare A B, not both")
@@ -148,7 +151,7 @@ def report(
     batch_size: Annotated[int, typer.Option(help="Examples per forward pass.")] = 32,
 ) -> None:
     """One self-contained HTML report of a run: config, plan, metrics, head grids, explorer."""
-    from .recipes.run_report import run_report
+    from .recipes.run_report import run_report  # start-up: loads transformers, matplotlib
 
     try:
         path, origin = run_report(run_dir, out=out, sample=sample, data_dir=data_dir,
@@ -194,7 +197,7 @@ def connections(
     threshold uses the population std of each head's map cropped to the real tokens.
     Writes connections.csv/json and bar plots (PNG + SVG).
     """
-    from .recipes import connections as rec
+    from .recipes import connections as rec  # start-up: loads transformers, matplotlib
 
     if compare is not None and run_dir is not None:
         _fail("give either RUN_DIR or --compare RUN_A RUN_B, not both")

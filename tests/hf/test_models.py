@@ -135,3 +135,50 @@ def test_default_model_load_prints_no_load_report(capfd):
     load_default_model("sequence-classification")
     err = capfd.readouterr().err
     assert "LOAD REPORT" not in err and "MISSING" not in err
+
+
+# ------------------------------------------------------------------ load_model: the one loader
+
+
+def test_load_model_scratch_has_the_labels_and_the_embedded_tokenizer():
+    from attnlab.models import load_model
+
+    model, tok = load_model("scratch:tiny", "sequence-classification",
+                            id2label={0: "neg", 1: "mid", 2: "pos"})
+    assert type(model) is transformers.BertForSequenceClassification
+    assert model.config.num_labels == 3 and model.config.label2id == {"neg": 0, "mid": 1,
+                                                                      "pos": 2}
+    assert model.config.num_hidden_layers == SIZES["tiny"]["num_hidden_layers"]
+    assert tok.vocab_size == model.config.vocab_size == 30522
+
+
+def test_load_model_reads_folders_with_and_without_a_plan(minilm, tmp_path):
+    from attnlab.models import load_model, model_config
+
+    _, tok = minilm
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification(encoder_config(
+        "tiny", vocab_size=30522, num_hidden_layers=1)).eval()
+    enc = tok(SENTENCES[:1], return_tensors="pt")
+    plain, planned = tmp_path / "plain", tmp_path / "planned"
+    model.save_pretrained(plain)
+    tok.save_pretrained(plain)
+    base, _ = load_model(str(plain))  # task "base": the bare encoder of the folder
+    assert type(base) is transformers.BertModel
+    ref = model.bert(**enc).last_hidden_state
+    torch.testing.assert_close(base.eval()(**enc).last_hidden_state, ref)
+
+    attnlab.apply_plan(model, "all:0:band(window=2)")
+    attnlab.save_pretrained(model, planned, tokenizer=tok)
+    again, tok2 = load_model(str(planned))  # plan.json: rebuilt as saved, plan re-applied
+    assert type(again) is transformers.BertForSequenceClassification
+    assert tok2.vocab_size == 30522
+    torch.testing.assert_close(again(**enc).logits, model(**enc).logits, rtol=0, atol=0)
+    assert model_config(str(planned)).num_hidden_layers == 1
+
+
+def test_model_config_names_the_same_models():
+    from attnlab.models import model_config
+
+    assert model_config("default").num_attention_heads == 12
+    assert model_config("scratch:mini").hidden_size == SIZES["mini"]["hidden_size"]

@@ -24,7 +24,7 @@ from .heads import (
     register_scorer,
     score_heads,
 )
-from .report import build_report, example_maps, read_json, to_csv, to_json, write_atomic
+from .report import build_report, example_maps, read_json, to_csv, to_json
 from .runfiles import metric_groups, plan_rules, read_history, replaced_heads
 from .tokens import TokenInfo, token_infos
 
@@ -57,5 +57,4 @@ __all__ = [
     "to_csv",
     "to_json",
     "token_infos",
-    "write_atomic",
 ]

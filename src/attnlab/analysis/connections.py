@@ -41,10 +41,12 @@ layer), so a count can be read as a rate: how often a pair of that class is a ma
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -284,6 +286,7 @@ class ConnectionCounter:
 
 
 def _figure(width: float, height: float) -> Figure:
+    # heavy: matplotlib, imported when a figure is drawn (the analysis package loads torch only)
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -294,8 +297,6 @@ def _figure(width: float, height: float) -> Figure:
 
 def _wrapped(title: str, fig: Figure, fontsize: float) -> str:
     """``title`` broken into lines that fit the figure's width (no title cut at the edges)."""
-    import textwrap
-
     chars = max(20, int(fig.get_figwidth() * 72 / (0.6 * fontsize)))  # ~0.6 em per char
     return "\n".join(textwrap.wrap(title, chars))
 
@@ -309,8 +310,6 @@ def _columns(counts: ConnectionCounts, include_sep: bool) -> tuple[list[str], An
 def connection_bars(counts: ConnectionCounts, *, include_sep: bool = True,
                     title: str | None = None) -> Figure:
     """Grouped bars: one group per layer, one bar per pair class (SEP left out if asked)."""
-    import numpy as np
-
     classes, table = _columns(counts, include_sep)
     n_layers, n_cls = table.shape
     fig = _figure(max(5.0, 0.9 * n_layers + 3.0), 3.6)
@@ -333,8 +332,6 @@ def compare_connection_bars(a: ConnectionCounts, b: ConnectionCounts, *,
                             labels: tuple[str, str] = ("A", "B"), include_sep: bool = True,
                             title: str | None = None) -> Figure:
     """Two models side by side: one panel per layer, per class a bar for A and one for B."""
-    import numpy as np
-
     if a.counts.shape != b.counts.shape:
         raise ValueError(f"cannot compare models with {a.counts.shape[0]} and "
                          f"{b.counts.shape[0]} layers")

@@ -23,8 +23,8 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 from matplotlib.ticker import MaxNLocator
 
+from ..io import atomic_write
 from .heads import HEAD_CLASSES, NO_CLASS, class_counts, class_names
-from .report import write_atomic
 
 # One colour per class (colour-blind-safe Okabe-Ito hues; heterogeneous in neutral grey).
 CLASS_COLORS: dict[str, str] = {
@@ -382,6 +382,6 @@ def save_figure(fig: Figure, path_without_ext: str | os.PathLike[str]) -> tuple[
     The suffixes are appended, never substituted, so ``runs/v1.2/heads`` stays intact.
     """
     base = str(path_without_ext)
-    png = write_atomic(base + ".png", figure_bytes(fig, "png"))
-    svg = write_atomic(base + ".svg", figure_bytes(fig, "svg"))
+    png = atomic_write(base + ".png", figure_bytes(fig, "png"))
+    svg = atomic_write(base + ".svg", figure_bytes(fig, "svg"))
     return png, svg

@@ -1,4 +1,4 @@
-"""Outputs on disk: atomic writes, head-score tables (CSV/JSON), and the one-file HTML report.
+"""Outputs on disk: head-score tables (CSV/JSON), and the one-file HTML report.
 
 The report is a single self-contained HTML file: figures are PNG data URIs, data is inline
 JSON, the JS and CSS come from ``templates/`` and are inlined, and a Content-Security-Policy
@@ -32,7 +32,6 @@ import json
 import math
 import os
 import re
-import uuid
 from collections.abc import Mapping, Sequence
 from importlib import resources
 from pathlib import Path
@@ -41,6 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..io import atomic_write
 from .heads import (
     HEAD_CLASSES,
     Maps,
@@ -66,26 +66,6 @@ MAX_REPORT_WEIGHTS = 4_000_000  # inline weights above this make a report too he
 
 
 # ----------------------------------------------------------------------------- files
-
-
-def write_atomic(path: str | os.PathLike[str], data: str | bytes) -> Path:
-    """Write through a temp file in the same folder and rename, so readers never see half."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    raw = data.encode("utf-8") if isinstance(data, str) else data
-    # A fresh name opened with "xb" (not mkstemp, whose 0600 mode would stick to the result)
-    # so the file gets the usual umask permissions.
-    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
-    try:
-        with open(tmp, "xb") as f:
-            f.write(raw)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
 
 
 # ----------------------------------------------------------------------------- tables
@@ -129,7 +109,7 @@ def to_json(
         "classes": [list(r) for r in classes] if classes is not None else None,
         "meta": dict(meta) if meta else {},
     }
-    return write_atomic(path, json.dumps(doc, indent=1, default=str) + "\n")
+    return atomic_write(path, json.dumps(doc, indent=1, default=str) + "\n")
 
 
 def read_json(path: str | os.PathLike[str]) -> tuple[dict[str, Tensor], list[list[str]] | None]:
@@ -160,7 +140,7 @@ def to_csv(
             vals = [_num(float(v[l, h])) for v in scores.values()]
             row = [l, h, *("" if x is None else x for x in vals)]
             w.writerow(row + ([classes[l][h]] if classes is not None else []))
-    return write_atomic(path, buf.getvalue())
+    return atomic_write(path, buf.getvalue())
 
 
 # ----------------------------------------------------------------------------- metric groups
@@ -203,7 +183,7 @@ def _training_html(history: Sequence[Mapping[str, Any]], *, task: str, model: st
                    main_metric: str | None, loss_unit: str, greater_is_better: bool) -> str:
     if not history:
         return '<p class="empty">No training history (metrics.jsonl) given.</p>'
-    from .plots import training_curves
+    from .plots import training_curves  # heavy: matplotlib, loaded when figures are drawn
 
     try:
         fig = training_curves(history, task=task, model=model, main_metric=main_metric,
@@ -265,7 +245,7 @@ def _data_uri(item: Any) -> str:
             raise ValueError(f"report figures must be .png or .svg files, got {path}")
         raw = path.read_bytes()
     else:
-        from .plots import figure_bytes
+        from .plots import figure_bytes  # heavy: matplotlib, loaded when figures are drawn
 
         mime, raw = "image/png", figure_bytes(item, "png", dpi=100)
     return f"data:{mime};base64,{base64.b64encode(raw).decode('ascii')}"
@@ -378,6 +358,7 @@ def build_report(
         )
     all_figures: dict[str, Any] = {}
     if classes is not None:
+        # heavy: matplotlib, loaded when figures are drawn
         from .plots import class_count_bars, class_map
 
         all_figures["head classes"] = class_map(classes, replaced=replaced if replaced and any(
@@ -398,6 +379,7 @@ def build_report(
         "mechanisms": mechanism_labels(replaced) if replaced else {},
         "history": _history_data(history),
     }
+    # heavy: matplotlib, loaded when figures are drawn
     from .plots import CLASS_ABBREV, CLASS_COLORS
 
     data["classColors"] = CLASS_COLORS
@@ -423,4 +405,4 @@ def build_report(
         "DATA": _script_json(data),
     }
     page = re.sub(r"\{\{([A-Z]+)\}\}", lambda m: values[m.group(1)], _template("report.html"))
-    return write_atomic(out_path, page)
+    return atomic_write(out_path, page)

@@ -85,6 +85,7 @@ def replaced_heads(
     rules = plan_rules(plan)
     if not rules:
         return [[None] * H for _ in range(L)] if rules == [] and plan is not None else None
+    # heavy: attnlab.hf loads transformers; the analysis package loads torch only
     from ..hf.plan import Plan, PlanError
 
     try:

@@ -34,6 +34,10 @@ import sys
 import time
 from typing import Any
 
+import torch
+
+from ..core import AttnContext, HeadDims, build_mechanism
+from ..mechanisms.jat import key_length, link_census
 from .speed import DevicePeak, environment, print_results, run_child
 
 # Peak of the official get_attn_adj per element of its [b, h, n, n, n] tensor: measured
@@ -62,18 +66,13 @@ def measure(
     fwdbwd_ms, peak_fwd_mb, peak_mem_mb and, for the efficient form, link_fraction (jump
     links / (b h n^3)) and count_method.
     """
-    import torch
-
-    import attnlab
-    from attnlab.mechanisms import _jat_adjacency as adj
-
     if threads:
         torch.set_num_threads(threads)
     adjacency = "naive" if form == "naive" else counter
-    mech = attnlab.build_mechanism(
-        f"jat(rho={rho}, adjacency={adjacency!r})", attnlab.HeadDims(heads, head_dim)
+    mech = build_mechanism(
+        f"jat(rho={rho}, adjacency={adjacency!r})", HeadDims(heads, head_dim)
     ).eval().to(device)
-    ctx = attnlab.AttnContext()
+    ctx = AttnContext()
     peak = DevicePeak(device)
 
     def make(length: int):
@@ -120,19 +119,10 @@ def measure(
     }
     if form != "naive":  # how sparse the links were, and which exact counter ran
         with torch.no_grad():
-            x = (q @ k.transpose(-1, -2)).reshape(-1, n, n)[:1]  # one head is enough
-            p, prefix, _ = adj._boundaries(x, adj.key_length(k).reshape(-1, n)[:1],
-                                           head_dim, rho, False)
-            links = int(adj._lengths(p, prefix, None, n).sum())
-            listed = adj._enum_size(p, prefix, None, n)
+            x = (q @ k.transpose(-1, -2)).reshape(-1, n, n)[0]  # [n, n] one head is enough
+            links, auto = link_census(x, key_length(k).reshape(-1, n)[0], head_dim, rho)
         out["link_fraction"] = links / n**3
-        if counter != "auto":
-            out["count_method"] = counter
-        elif adj.direct_applies(torch.device(device), n):
-            out["count_method"] = "direct"
-        else:
-            sparse = listed <= adj._ENUM_FRACTION * n**3
-            out["count_method"] = "enumerate" if sparse else "compare"
+        out["count_method"] = counter if counter != "auto" else auto
     return out
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ..io import atomic_path
+
 
 def scaling_plot(rows: list[dict[str, Any]], path: str | Path, title: str = "",
                  subject: str | None = None) -> Path:
@@ -19,6 +21,8 @@ def scaling_plot(rows: list[dict[str, Any]], path: str | Path, title: str = "",
     6 heads x 64, batch 8"); each panel's title carries it, so each axis is labelled with
     what ran and its unit. Default: from the rows' kind (``bench jat``: "form" rows, or
     ``bench sparse``: "method" rows)."""
+    # heavy: matplotlib, imported on use (bench.speed, which the benchmark's child
+    # processes import, imports this module)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -51,11 +55,11 @@ def scaling_plot(rows: list[dict[str, Any]], path: str | Path, title: str = "",
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    tmp.replace(path)
+    try:
+        with atomic_path(path) as tmp:  # the temporary name keeps the suffix savefig reads
+            fig.savefig(tmp, dpi=120)
+    finally:
+        plt.close(fig)
     return path
 
 

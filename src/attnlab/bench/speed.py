@@ -26,11 +26,21 @@ import argparse
 import dataclasses
 import json
 import os
+import platform
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
+
+import torch
+import torch.nn.functional as F
+from rich.progress import Progress
+
+from ..core import AttnContext, HeadDims, build_mechanism, mechanism_class
+from ..io import write_json
+from ..train.memory import lifetime_peak_rss_mb
+from .plots import env_title, scaling_plot
 
 SDPA = "sdpa"
 
@@ -39,8 +49,6 @@ def _spec(mechanism: str, window: int) -> str:
     """``band`` -> ``band(window=128)`` when the config has a window; full specs unchanged."""
     if "(" in mechanism:
         return mechanism
-    from attnlab.core import mechanism_class
-
     fields = {f.name for f in dataclasses.fields(mechanism_class(mechanism).config_cls)}
     return f"{mechanism}(window={window})" if "window" in fields else mechanism
 
@@ -58,11 +66,6 @@ def measure(
     ``part="both"`` (CUDA only: the allocator's peak statistics need no fresh process)
     returns all four.
     """
-    import torch
-    import torch.nn.functional as F
-
-    import attnlab
-
     if threads:
         torch.set_num_threads(threads)
     peak = DevicePeak(device)
@@ -77,9 +80,9 @@ def measure(
         def run(q, k, v):
             return F.scaled_dot_product_attention(q, k, v)
     else:
-        mech = attnlab.build_mechanism(method, attnlab.HeadDims(heads, head_dim)).eval()
+        mech = build_mechanism(method, HeadDims(heads, head_dim)).eval()
         mech = mech.to(device)
-        ctx = attnlab.AttnContext()
+        ctx = AttnContext()
 
         def run(q, k, v):
             return mech(q, k, v, ctx).out
@@ -138,24 +141,16 @@ class DevicePeak:
 
     def sync(self) -> None:
         if self.cuda:
-            import torch
-
             torch.cuda.synchronize()
 
     def _now(self) -> float:
         if self.cuda:
-            import torch
-
             return torch.cuda.max_memory_allocated() / 2**20
-        from ..train.memory import lifetime_peak_rss_mb
-
         return lifetime_peak_rss_mb()
 
     def start(self) -> None:
         self.sync()
         if self.cuda:
-            import torch
-
             torch.cuda.reset_peak_memory_stats()
             self.base = torch.cuda.memory_allocated() / 2**20
         elif self.base is None:
@@ -235,8 +230,6 @@ def bench_sparse(
             step(f"{method} n={n}")
 
     if progress:
-        from rich.progress import Progress
-
         with Progress(transient=True) as bar:
             task = bar.add_task("benchmark", total=len(jobs))
             run_all(lambda desc: bar.update(task, advance=1, description=desc))
@@ -274,20 +267,13 @@ def print_results(table: str, rows: list[dict[str, Any]], env_before: dict[str, 
     print(table)
     print(f"environment: {env_before}; load after: {environment()['loadavg']}")
     if json_path:
-        with open(json_path, "w") as f:
-            json.dump({"environment": env_before, "rows": rows}, f, indent=2)
+        write_json(json_path, {"environment": env_before, "rows": rows})
     if plot_path:
-        from .plots import env_title, scaling_plot
-
         scaling_plot(rows, plot_path, title=env_title(env_before))
 
 
 def environment(threads: int | None = None) -> dict[str, Any]:
     """What the numbers depend on: versions, threads used, cores, load."""
-    import platform
-
-    import torch
-
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     return {
         "date": time.strftime("%Y-%m-%d %H:%M %Z"),

@@ -132,9 +132,18 @@ class AttnOutput(NamedTuple):
 
 @runtime_checkable
 class Mechanism(Protocol):
-    """Structural type of a mechanism (an nn.Module built as ``Cls(cfg, dims)``)."""
+    """Structural type of a mechanism (an nn.Module built as ``Cls(cfg, dims)``).
+
+    Class-level declarations, read before anything is built:
+    caps: what it can do (surgery validates plans against it).
+    example: a small spec of it, e.g. ``"band(window=3)"``, whose pattern is genuinely
+      sparse at the contract tests' lengths (n <= 64, h = 4, d = 8); the contract tests
+      (tests/mechanisms/test_contract.py) build every registered mechanism from it, and fail
+      for a mechanism without one. The bare name when the defaults already fit.
+    """
 
     caps: ClassVar[Capabilities]
+    example: ClassVar[str]
     cfg: MechanismConfig
     dims: HeadDims
 

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..core import AttnContext, HeadDims, build_mechanism
 from .fused import LOCAL_PATTERN, local_pattern, run_mechanism
@@ -339,9 +341,6 @@ def attnlab_attention(
 
 def register_backend() -> str:
     """Register "attnlab" in AttentionInterface and AttentionMaskInterface (idempotent)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
     AttentionInterface.register(BACKEND, attnlab_attention)
     AttentionMaskInterface.register(BACKEND, sdpa_mask)
     return BACKEND

@@ -26,7 +26,9 @@ import copy
 from typing import Any
 
 import torch
+from transformers import AutoModel
 
+from ..models import model_config
 from .arch import FAMILIES, UNSUPPORTED, UnsupportedModelError, inspect_model
 from .plan import Plan
 from .surgery import _build, _validate
@@ -50,19 +52,7 @@ def load_model_config(model: Any) -> Any:
     if not isinstance(model, str):
         return model
     try:
-        if model == "default":
-            from transformers import AutoConfig
-
-            from ..models import default_model_path  # a leaf module: imports none of ours
-
-            return AutoConfig.from_pretrained(default_model_path(), local_files_only=True)
-        if model.startswith("scratch:"):
-            from ..models import encoder_config
-
-            return encoder_config(model.split(":", 1)[1])
-        from transformers import AutoConfig
-
-        return AutoConfig.from_pretrained(model)
+        return model_config(model)  # the config attnlab.models.load_model would build
     except (OSError, ValueError, KeyError, ImportError) as e:
         raise UnsupportedModelError(
             f"cannot read the config of model {model!r} ({_one_line(e)}); {_fix()}"
@@ -71,8 +61,6 @@ def load_model_config(model: Any) -> Any:
 
 def _meta_model(config: Any, name: str) -> torch.nn.Module:
     """The bare architecture of ``config`` on the meta device (no weights, no memory)."""
-    from transformers import AutoModel
-
     config = copy.deepcopy(config)  # from_config sets fields (attention implementation)
     try:
         with torch.device("meta"):

@@ -3,7 +3,7 @@
 ``save_pretrained(model, path)`` writes the usual Hugging Face folder (``config.json``,
 ``model.safetensors``) plus ``plan.json`` (the applied plan) and ``surgery.json`` (the
 SurgeryReport, including the ``max_len`` the mechanisms were built with). The extra files
-are written atomically (temporary file + rename).
+are written atomically (:mod:`attnlab.io`).
 
 ``load_pretrained(path)`` rebuilds the architecture from ``config.json`` (no download),
 re-applies the saved plan, then loads the safetensors weights *strictly*: mechanism
@@ -20,30 +20,22 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
+from safetensors.torch import load_file
 from torch import nn
+from transformers import AutoConfig, PreTrainedModel
 
+from ..io import atomic_write
 from .plan import Plan
 from .surgery import SurgeryError, applied_report, apply_plan
 
 PLAN_FILE = "plan.json"
 SURGERY_FILE = "surgery.json"
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def save_pretrained(model: nn.Module, path: str | os.PathLike, tokenizer: Any = None) -> Path:
@@ -58,15 +50,13 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, tokenizer: Any = 
         tokenizer.save_pretrained(out)
     report = applied_report(model)
     plan = report.plan if report is not None else Plan()
-    _atomic_write(out / PLAN_FILE, plan.to_json())
+    atomic_write(out / PLAN_FILE, plan.to_json())
     surgery: dict[str, Any] = report.to_dict() if report is not None else {"max_len": None}
-    _atomic_write(out / SURGERY_FILE, json.dumps(surgery, indent=2))
+    atomic_write(out / SURGERY_FILE, json.dumps(surgery, indent=2))
     return out
 
 
 def _auto_class(config, auto_class):
-    import transformers
-
     if auto_class is not None:
         return auto_class
     for name in getattr(config, "architectures", None) or []:
@@ -77,8 +67,6 @@ def _auto_class(config, auto_class):
 
 
 def _read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
     single = folder / "model.safetensors"
     if single.exists():
         return load_file(single)
@@ -110,8 +98,6 @@ def load_pretrained(path: str | os.PathLike, auto_class: Any = None) -> nn.Modul
     ``BertForMaskedLM``, ...) to build with; default: ``config.architectures[0]``.
     Returns the model in eval mode.
     """
-    from transformers import AutoConfig, PreTrainedModel
-
     folder = Path(path)
     if not (folder / "config.json").exists():
         raise FileNotFoundError(f"{folder} has no config.json; is it a saved model folder?")

@@ -8,8 +8,8 @@ parameters save, load and train with the model), shrinks K/V projections for mod
 mechanisms such as multi-query attention, and switches the model to the "attnlab" attention
 function. It returns a :class:`SurgeryReport` (layer x head table of mechanisms).
 
-``save_pretrained`` / ``load_pretrained`` live in :mod:`attnlab.hf.saving`; they are also
-reachable from this module for the public ``attnlab`` namespace.
+``save_pretrained`` / ``load_pretrained`` live in :mod:`attnlab.hf.saving`, which imports this
+module (never the other way round).
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from rich.console import Group
+from rich.table import Table
 from torch import nn
 
 from ..core import HeadDims, MechanismConfig, mechanism_class
@@ -138,9 +140,6 @@ class SurgeryReport:
 
     def __rich__(self):
         """Compact grid for terminals: one letter per distinct mechanism, then a legend."""
-        from rich.console import Group
-        from rich.table import Table
-
         specs = list(dict.fromkeys(s for row in self.table for s in row))
         letter = {spec: chr(ord("A") + i) if i < 26 else str(i) for i, spec in enumerate(specs)}
         t = Table(title=f"{self.model}: attention plan (layer x head)", box=None,
@@ -360,12 +359,3 @@ def applied_report(model: nn.Module) -> SurgeryReport | None:
         if isinstance(rep, SurgeryReport):
             return rep
     return None
-
-
-def __getattr__(name: str):
-    # save/load live in saving.py (which imports this module); resolved lazily to avoid a cycle.
-    if name in ("save_pretrained", "load_pretrained"):
-        from . import saving
-
-        return getattr(saving, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -299,6 +299,27 @@ def _enum_size(p, prefix, empty, n) -> int:
     return int(torch.minimum(length, n - length).sum())
 
 
+def link_census(
+    scores: torch.Tensor, key_len: torch.Tensor, head_dim: int, rho: float, sign: bool = False
+) -> tuple[int, CountMethod]:
+    """(jump links, the counter ``method="auto"`` picks) for one square score block.
+
+    scores [n, n] (queries x keys; one head), key_len [n] (``key_length(k)``). The links are
+    the (k, i, j) with B_k[i, j] = 1, from the same exact ranges as ``jump_counts``; the
+    counter is "direct", "enumerate" or "compare", as ``jump_counts`` decides it for this
+    head on this device. For benchmarks and diagnostics (the sparsity the threshold gives).
+    """
+    n = scores.shape[-1]
+    x = _clean(scores).reshape(1, n, n)  # [1, n, n]
+    lk = key_len.detach().to(x.dtype).reshape(1, n)  # [1, n]
+    p, prefix, _ = _boundaries(x, lk, head_dim, rho, sign)  # [1, k, i]
+    links = int(_lengths(p, prefix, None, n).sum())
+    if direct_applies(x.device, n):
+        return links, "direct"
+    sparse = _enum_size(p, prefix, None, n) <= _ENUM_FRACTION * n**3
+    return links, "enumerate" if sparse else "compare"
+
+
 def _count_enumerate(p, prefix, perm, empty) -> torch.Tensor:
     """O(E) counts: list the linked j of every (k, i), or the unlinked j when fewer.
 

@@ -51,6 +51,7 @@ class Softmax(nn.Module):
     zeros, so the fast path is checked against the reference directly.
     """
 
+    example: ClassVar[str] = "softmax"
     caps: ClassVar[Capabilities] = Capabilities(
         family="dense", paper="Vaswani et al. 2017", exact=True, complexity="O(n*m)"
     )

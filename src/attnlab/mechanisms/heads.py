@@ -52,6 +52,7 @@ class TalkingHeads(nn.Module):
     need not be positive or sum to 1. Scope "layer": it mixes every head of its layer.
     """
 
+    example: ClassVar[str] = "talking_heads"
     caps: ClassVar[Capabilities] = Capabilities(
         family="heads", paper="Shazeer et al. 2020", scope="layer", exact=False,
         complexity="O(n*m*h)",
@@ -128,6 +129,7 @@ class MultiQuery(nn.Module):
     Otherwise this is dense softmax attention (the ``softmax`` mechanism is reused).
     """
 
+    example: ClassVar[str] = "mqa"
     caps: ClassVar[Capabilities] = Capabilities(
         family="heads", paper="Shazeer 2019", scope="module", kv_heads=1, exact=False,
         complexity="O(n*m)",

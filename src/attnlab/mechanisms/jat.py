@@ -30,6 +30,7 @@ from ..core.reference import masked_softmax
 from ._jat_adjacency import (
     jump_counts,
     key_length,
+    link_census,  # noqa: F401  (public for bench.jat: link sparsity and counter)
     naive_adjacency,
     naive_jump_counts,
     normalized_adjacency,
@@ -270,6 +271,7 @@ class JumpSelfAttention(nn.Module):
     Not causal: A mixes all positions (``causal_ok=False``); needs n == m (self-attention).
     """
 
+    example: ClassVar[str] = "jat(rho=0.3, mask_pads=True)"
     caps: ClassVar[Capabilities] = Capabilities(
         family="jump",
         paper="Zhou et al. 2022",

@@ -136,6 +136,7 @@ class LinearElu(nn.Module):
     ``need_weights`` materialises the normalised phi(q) phi(k)^T matrix, O(n*m).
     """
 
+    example: ClassVar[str] = "linear_elu"
     caps: ClassVar[Capabilities] = Capabilities(
         family="linear", paper="Katharopoulos et al. 2020", exact=False,
         complexity="O(n*d^2)",

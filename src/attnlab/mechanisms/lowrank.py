@@ -61,6 +61,7 @@ class Linformer(nn.Module):
     or sum to 1. Dropout ``ctx.dropout`` applies to P (the [b,h,n,k] probabilities).
     """
 
+    example: ClassVar[str] = "linformer(k=8)"
     caps: ClassVar[Capabilities] = Capabilities(
         family="lowrank", paper="Wang et al. 2020", causal_ok=False, needs_max_len=True,
         keys_are_tokens=True,

@@ -86,6 +86,7 @@ class RealFormer(nn.Module):
     Dropout ``ctx.dropout`` applies to the probabilities in training mode.
     """
 
+    example: ClassVar[str] = "realformer"
     caps: ClassVar[Capabilities] = Capabilities(
         family="priors", paper="Liu et al. 2021", scope="layer", exact=False,
         complexity="O(n*m)",

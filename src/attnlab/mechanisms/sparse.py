@@ -181,6 +181,7 @@ class Band(nn.Module):
     time, O(n*(w+B)) memory on the blocked path (B = query block, 64).
     """
 
+    example: ClassVar[str] = "band(window=3)"
     caps: ClassVar[Capabilities] = Capabilities(
         family=FAMILY, paper=SURVEY, exact=True, keys_are_tokens=True,
         complexity="O(n*w)"
@@ -224,6 +225,7 @@ class Dilated(nn.Module):
     of width w on each residue class mod r. Complexity O(n*w*d).
     """
 
+    example: ClassVar[str] = "dilated(window=2, dilation=2)"
     caps: ClassVar[Capabilities] = Capabilities(
         family=FAMILY, paper=SURVEY, exact=True, keys_are_tokens=True,
         complexity="O(n*w)"
@@ -265,6 +267,7 @@ class BlockLocal(nn.Module):
     groups small blocks into query blocks of >= 64 rows for efficient matrix products.
     """
 
+    example: ClassVar[str] = "block_local(block=4)"
     caps: ClassVar[Capabilities] = Capabilities(
         family=FAMILY, paper=SURVEY, exact=True, keys_are_tokens=True,
         complexity="O(n*b)"
@@ -312,6 +315,7 @@ class GlobalTokens(nn.Module):
     Positions in G beyond the sequence length are ignored.
     """
 
+    example: ClassVar[str] = "global_tokens(tokens=[0, 5])"
     caps: ClassVar[Capabilities] = Capabilities(
         family=FAMILY, paper=SURVEY, exact=True, keys_are_tokens=True,
         complexity="O(n*|G|)"
@@ -355,6 +359,7 @@ class Random(nn.Module):
     O(n*m) time and memory (the sparsity is not exploited).
     """
 
+    example: ClassVar[str] = "random(num_random=3, seed=1)"
     caps: ClassVar[Capabilities] = Capabilities(
         family=FAMILY, paper=SURVEY, exact=True, keys_are_tokens=True,
         complexity="O(n*m) (dense masked)"
@@ -394,6 +399,7 @@ class Longformer(nn.Module):
     paper uses separate global Q/K/V projections); no dilation.
     """
 
+    example: ClassVar[str] = "longformer(window=2, global_tokens=[0, 3])"
     caps: ClassVar[Capabilities] = Capabilities(
         family=FAMILY, paper="Beltagy et al. 2020", exact=True, keys_are_tokens=True,
         complexity="O(n*(w+|G|))"
@@ -437,6 +443,7 @@ class Star(nn.Module):
     beyond the sequence length is ignored.
     """
 
+    example: ClassVar[str] = "star(relay=0)"
     caps: ClassVar[Capabilities] = Capabilities(
         family=FAMILY, paper="Guo et al. 2019", exact=True, keys_are_tokens=True,
         complexity="O(n)"
@@ -486,6 +493,9 @@ class BigBird(nn.Module):
     blocks are the same for every head and batch element of a layer.
     """
 
+    example: ClassVar[str] = (
+        "bigbird(block=4, window_blocks=3, num_random_blocks=1, global_blocks=1)"
+    )
     caps: ClassVar[Capabilities] = Capabilities(
         family=FAMILY, paper="Zaheer et al. 2020", exact=True, keys_are_tokens=True,
         complexity="O(n*(w+g+r)*b)"
@@ -564,6 +574,7 @@ class SparseTransformer(nn.Module):
     unless ``ctx.causal``.
     """
 
+    example: ClassVar[str] = "sparse_transformer(mode='strided', stride=4)"
     caps: ClassVar[Capabilities] = Capabilities(
         family=FAMILY, paper="Child et al. 2019", exact=True, keys_are_tokens=True,
         complexity="O(n*m) (dense masked)"

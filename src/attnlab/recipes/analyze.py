@@ -42,9 +42,22 @@ from ..analysis import (
     to_csv,
     to_json,
     token_infos,
-    write_atomic,
+)
+from ..analysis.plots import (
+    attention_map,
+    class_count_bars,
+    class_map,
+    compare_class_maps,
+    save_figure,
+    score_heatmap,
 )
 from ..config import ExperimentConfig
+from ..hf.arch import UnsupportedModelError, inspect_model
+from ..hf.capture import capture_attention
+from ..io import atomic_write
+from ..models import load_model as load_hf_model
+from ..tasks import get_task, read_texts
+from .finetune import load_run_model
 from .naming import run_label, safe_name  # re-exported: cli_analyze and connections use them
 from .quickstart import SHARED_DATA
 
@@ -116,9 +129,7 @@ def is_run_dir(path: Path) -> bool:
 def load_model(spec: str) -> LoadedModel:
     """``"default"`` (the embedded MiniLM), a run directory, or a saved model folder."""
     if spec == "default":
-        from ..models import load_default_model
-
-        model, tok = load_default_model("base")
+        model, tok = load_hf_model("default")
         return LoadedModel(model.eval(), tok, "default", spec)
     path = Path(spec)
     if not path.exists():
@@ -129,34 +140,18 @@ def load_model(spec: str) -> LoadedModel:
         )
     name = run_label(path)
     if is_run_dir(path):
-        from .finetune import load_run_model
-
         model, tok, cfg = load_run_model(path)
         return LoadedModel(_capturable(model), tok, name, spec, run_dir=path, config=cfg)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{spec} is neither a run directory (no config.yaml) nor a "
                                 "saved model folder (no config.json)")
-    import transformers
-
-    if (path / "plan.json").is_file():  # saved by attnlab.save_pretrained: re-apply the plan
-        from ..hf.saving import load_pretrained
-
-        model = load_pretrained(path)
-    else:
-        model = transformers.AutoModel.from_pretrained(path, local_files_only=True)
-    try:
-        tok = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise FileNotFoundError(f"no tokenizer in {spec} ({e}); save one next to the model "
-                                "with tokenizer.save_pretrained(folder)") from None
+    model, tok = load_hf_model(str(path))  # a plan.json beside it is re-applied
     return LoadedModel(model.eval(), tok, name, spec)
 
 
 def _capturable(model: torch.nn.Module) -> torch.nn.Module:
     """LoRA runs: merge the low-rank updates into the weights (same outputs, to 1e-8 in our
     check) because ``inspect_model`` does not recognise peft's wrapped q/v projections."""
-    from ..hf.arch import UnsupportedModelError, inspect_model
-
     try:
         inspect_model(model)
     except UnsupportedModelError:
@@ -199,8 +194,6 @@ def load_features(source: TextSource, tokenizer: Any) -> list[dict[str, list[int
     if max_length < 3:
         raise ValueError(f"--max-length must be at least 3, got {max_length}")
     if source.text_file is not None:
-        from ..tasks import read_texts
-
         path = Path(source.text_file)
         if not path.is_file():
             raise FileNotFoundError(f"text file {path} does not exist")
@@ -210,8 +203,6 @@ def load_features(source: TextSource, tokenizer: Any) -> list[dict[str, list[int
         enc = tokenizer(texts, truncation=True, max_length=max_length)
         feats = [{k: enc[k][i] for k in INPUT_KEYS if k in enc} for i in range(len(texts))]
     else:
-        from ..tasks import get_task
-
         task = get_task(source.task)
         split = source.split or task.eval_splits[0]
         examples = task.load(split, source.resolved_data_dir())[: source.limit]
@@ -283,9 +274,6 @@ def analyze_model(
 ) -> HeadsResult:
     """Stream the source's examples through the model in batches; scores, classes, average
     maps of the chosen ``heads``, and the first ``n_examples`` examples for the explorer."""
-    from ..hf.arch import inspect_model
-    from ..hf.capture import capture_attention
-
     host = inspect_model(loaded.model)
     n_layers, n_heads = host.num_layers, host.num_heads
     check_heads(heads, n_layers, n_heads)
@@ -422,19 +410,16 @@ def read_examples(path: Path) -> list[dict[str, Any]]:
 
 def write_analysis(result: HeadsResult, out: Path) -> list[Path]:
     """Tables, figures and explorer examples of one analysis into ``out``; returns paths."""
-    from ..analysis.plots import attention_map, class_count_bars, class_map, save_figure
-    from ..analysis.plots import score_heatmap as heatmap
-
     a, name = result.analysis, result.meta.get("model_name", "model")
     meta = {**result.meta, "counts": a.counts}
     written = [to_json(out / "head_scores.json", a.scores, a.classes, meta),
                to_csv(out / "head_scores.csv", a.scores, a.classes)]
     rows = layer_summary(a)
-    written.append(write_atomic(out / "layer_summary.csv", _summary_csv(rows)))
-    written.append(write_atomic(out / "layer_summary.md", summary_markdown(rows)))
+    written.append(atomic_write(out / "layer_summary.csv", _summary_csv(rows)))
+    written.append(atomic_write(out / "layer_summary.md", summary_markdown(rows)))
     for label, table in a.scores.items():
         unit = label.split("(")[0] in UNIT_SCORES
-        fig = heatmap(table, title=f"{label}: {name}, {a.n_examples} examples",
+        fig = score_heatmap(table, title=f"{label}: {name}, {a.n_examples} examples",
                       vmin=0.0 if unit else None, vmax=1.0 if unit else None, label=label)
         written += save_figure(fig, out / f"score_{safe_name(label)}")
     if a.classes is not None:
@@ -457,9 +442,9 @@ def write_analysis(result: HeadsResult, out: Path) -> list[Path]:
         doc = {"length": len(hm0.tokens), "examples": hm0.count, "tokens": hm0.tokens,
                "maps": maps_doc,
                "skipped": [f"{h.layer}:{h.head}" for h in result.head_maps if h.mean is None]}
-        written.append(write_atomic(out / "head_maps.json", json.dumps(doc, indent=1) + "\n"))
+        written.append(atomic_write(out / "head_maps.json", json.dumps(doc, indent=1) + "\n"))
     if result.examples:
-        written.append(write_atomic(out / "examples.json", _examples_json(result.examples)))
+        written.append(atomic_write(out / "examples.json", _examples_json(result.examples)))
     return written
 
 
@@ -469,8 +454,6 @@ def write_analysis(result: HeadsResult, out: Path) -> list[Path]:
 def compare_analyses(a: HeadsResult, b: HeadsResult, out: Path
                      ) -> tuple[dict[str, Any], list[Path]]:
     """Side-by-side class maps with the changed heads, score differences B - A."""
-    from ..analysis.plots import compare_class_maps, save_figure, score_heatmap
-
     ca, cb = a.analysis.classes, b.analysis.classes
     la, lb = a.meta["model_name"], b.meta["model_name"]
     if ca is None or cb is None:
@@ -496,7 +479,7 @@ def compare_analyses(a: HeadsResult, b: HeadsResult, out: Path
            "mean_scores": {k: {s: None if math.isnan(x := _mean(v)) else round(x, 6)
                                for s, v in r.analysis.scores.items()}  # NaN -> null
                            for k, r in (("a", a), ("b", b))}}
-    written.append(write_atomic(out / "compare.json",
+    written.append(atomic_write(out / "compare.json",
                                 json.dumps(doc, indent=1, allow_nan=False) + "\n"))
     return doc, written
 

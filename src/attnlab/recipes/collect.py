@@ -23,7 +23,6 @@ cell and each row's trained share of the backbone, ``matrix.png`` one panel per 
 
 from __future__ import annotations
 
-import json
 import warnings
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,7 @@ import yaml
 
 from ..config import ConfigError
 from .compare import bar_plot, mean_std_text, summarise, to_csv, to_markdown
-from .rundir import is_finished
+from .summary import read_summary
 
 
 def _seeds(folder: Path) -> list[Path]:
@@ -58,12 +57,12 @@ def _config_value(folder: Path, key: str) -> Any:
 
 def _row(label: str, folder: Path, show: list[str]) -> dict[str, Any]:
     paths = _seeds(folder)
-    summaries = [json.loads(p.read_text()) for p in paths]
-    finished = [s for s in summaries if is_finished(s)]
+    summaries = [read_summary(p.parent) for p in paths]
+    finished = [s for s in summaries if s.is_finished]
     if not finished:
         raise ConfigError(f"{folder}: no finished run (seed-*/summary.json)")
     done = {p.parent.name for p, s in zip(paths, summaries, strict=True)
-            if is_finished(s)}
+            if s.is_finished}
     left = sorted(d.name for d in folder.glob("seed-*") if d.is_dir() and d.name not in done)
     if left:
         warnings.warn(f"{folder}: {', '.join(left)} left out of the table (no summary.json, "
@@ -193,7 +192,7 @@ def write_collected(rows: list[dict[str, Any]], out: Path, show: list[str] | Non
                     matrix: bool = False) -> Path:
     """comparison.{md,csv,json,png} under ``out`` (atomic writes); with ``matrix`` also
     matrix.md and matrix.png (rows x columns)."""
-    from ..io import write_json
+    from ..io import atomic_path, atomic_write, write_json
 
     out.mkdir(parents=True, exist_ok=True)
     md = to_markdown(rows)
@@ -211,15 +210,12 @@ def write_collected(rows: list[dict[str, Any]], out: Path, show: list[str] | Non
     else:
         figs = [("comparison.png", bar_plot(rows))]
     for name, text in texts:
-        tmp = out / f".{name}.tmp"
-        tmp.write_text(text)
-        tmp.replace(out / name)
+        atomic_write(out / name, text)
     write_json(out / "comparison.json", rows)
     import matplotlib.pyplot as plt  # after the figures chose the Agg backend
 
     for name, fig in figs:
-        tmp_png = out / f".{name}.tmp.png"
-        fig.savefig(tmp_png, dpi=120)
-        tmp_png.replace(out / name)
+        with atomic_path(out / name) as tmp_png:
+            fig.savefig(tmp_png, dpi=120)
         plt.close(fig)
     return out

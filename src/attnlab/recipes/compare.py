@@ -6,7 +6,7 @@ cartesian product of the values, each over seeds 0..2, into
 them: main metric mean ± std over seeds, parameters trained (with the % of the
 backbone), train time per step and peak memory.
 
-Values of ``plan`` are named plans (``NAMED_PLANS``; ``baseline`` = no change), a named plan
+Values of ``plan`` are named plans (``presets.NAMED_PLANS``; ``baseline`` = no change), a named plan
 with mechanism arguments changed (``jat(rho=4.5)``: every rule of ``jat`` gets rho=4.5, the
 way to run a grid), or compact rules ``LAYERS:HEADS:SPEC`` joined by ';'. Values of other
 keys are YAML scalars. Values are separated by commas outside brackets, or by '|' when any
@@ -19,7 +19,6 @@ import csv
 import hashlib
 import io
 import itertools
-import json
 import math
 import statistics
 from collections.abc import Callable
@@ -39,58 +38,8 @@ from ..config import (
     validate,
     with_optim_defaults,
 )
-from .rundir import is_finished
-
-NAMED_PLANS: dict[str, list[str]] = {
-    "baseline": [],
-    "band16": ["all:all:band(window=16)"],
-    "band32": ["all:all:band(window=32)"],
-    "band64": ["all:all:band(window=64)"],
-    "longformer32": ["all:all:longformer(window=32, global_tokens=[0])"],
-    "bigbird": ["all:all:bigbird(block=16, window_blocks=3, num_random_blocks=1)"],
-    "linear": ["all:all:linear_elu"],
-    "linformer64": ["all:all:linformer(k=64)"],
-    # BERT-JAT scaled to the 6-layer MiniLM: layers {1,2,3,8,9,10} of 12 -> {0,1,4,5} of 6,
-    # JAT on the even heads (6 of 12), the paper's rho=5 and coef=0.5 (docs/results.md).
-    "jat": ["0,1,4,5:0,2,4,6,8,10:jat(rho=5.0, coef=0.5)"],
-    # the paper's other placements, as halves of the 6-layer model
-    "jat_early": ["0,1,2:0,2,4,6,8,10:jat(rho=5.0, coef=0.5)"],
-    "jat_late": ["3,4,5:0,2,4,6,8,10:jat(rho=5.0, coef=0.5)"],
-    # the same for encoder_config("small") (4 layers x 8 heads): middle layers, even heads
-    "jat_small": ["1,2:0,2,4,6:jat(rho=5.0, coef=0.5)"],
-}
-
-
-def plan_value(value: str) -> list[str]:
-    """A named plan, a named plan with arguments (``jat(rho=4.5)``), or ';'-joined rules."""
-    value = value.strip()
-    if value in NAMED_PLANS:
-        return NAMED_PLANS[value]
-    if ":" in value:
-        return [r for r in value.split(";") if r.strip()]
-    name = value.split("(", 1)[0].strip()
-    if "(" in value and name in NAMED_PLANS:
-        return _with_args(name, value)
-    raise ConfigError(f"unknown plan {value!r}: use one of {', '.join(NAMED_PLANS)} (optionally "
-                      "with arguments, e.g. jat(rho=4.5)) or rules like '0-2:all:band(window=8)'")
-
-
-def _with_args(name: str, value: str) -> list[str]:
-    """Rules of the named plan ``name`` with the arguments of ``value`` merged into each spec."""
-    from ..core import RegistryError, parse_spec
-
-    try:
-        _, args = parse_spec(value)
-    except RegistryError as e:
-        raise ConfigError(f"plan {value!r}: {e}") from None
-    rules = []
-    for rule in NAMED_PLANS[name]:
-        layers, heads, spec = rule.split(":", 2)
-        mech, old = parse_spec(spec)
-        merged = {**old, **args}
-        rules.append(f"{layers}:{heads}:{mech}("
-                     + ", ".join(f"{k}={v!r}" for k, v in merged.items()) + ")")
-    return rules
+from ..presets import plan_value
+from .summary import RunSummary, read_summary
 
 
 def parse_vary(items: list[str]) -> list[tuple[str, list[str]]]:
@@ -180,7 +129,7 @@ def mean_std(values: list[float | None]) -> tuple[float, float]:
 
 
 def _run_configs(cfgs: list[ExperimentConfig], run: Callable[..., dict[str, Any]],
-                 resume: bool, parallel: int) -> list[dict[str, Any]]:
+                 resume: bool, parallel: int) -> list[RunSummary]:
     """Each config's summary: finished ones read back when ``resume``; the rest run here
     (``run``) or in ``parallel`` subprocesses. With ``resume`` an interrupted run continues
     from its last checkpoint (``attnlab run --resume``) instead of starting over."""
@@ -188,20 +137,19 @@ def _run_configs(cfgs: list[ExperimentConfig], run: Callable[..., dict[str, Any]
     todo = [cfg for cfg in cfgs if id(cfg) not in known]
     if parallel > 1 and todo:
         run_parallel(todo, parallel, resume=resume)
-        known.update((id(cfg), json.loads((cfg.run_dir / "summary.json").read_text()))
-                     for cfg in todo)
-    return [known[id(cfg)] if id(cfg) in known else run(cfg, resume=resume) for cfg in cfgs]
+        known.update((id(cfg), read_summary(cfg.run_dir)) for cfg in todo)
+    return [known[id(cfg)] if id(cfg) in known
+            else RunSummary.from_dict(run(cfg, resume=resume)) for cfg in cfgs]
 
 
-def _finished(cfg: ExperimentConfig) -> dict[str, Any] | None:
+def _finished(cfg: ExperimentConfig) -> RunSummary | None:
     """The run's summary if it finished (not interrupted), else None. A finished run whose
     saved config differs from ``cfg`` (other than its name and folder) is an error: its
     result would be reported under settings it did not use."""
-    done = cfg.run_dir / "summary.json"
-    if not done.exists():
+    if not (cfg.run_dir / "summary.json").exists():
         return None
-    summary = json.loads(done.read_text())
-    if not is_finished(summary):
+    summary = read_summary(cfg.run_dir)
+    if not summary.is_finished:
         return None
     if changes := run_config_changes(cfg.run_dir, cfg):
         raise ConfigError(
@@ -259,20 +207,21 @@ def run_parallel(cfgs: list[ExperimentConfig], workers: int, resume: bool = Fals
         raise ConfigError(f"{len(failed)} of {len(cfgs)} runs failed; see {', '.join(failed)}")
 
 
-def summarise(label: str, summaries: list[dict[str, Any]]) -> dict[str, Any]:
-    metric = summaries[0]["main_metric"]
-    m, s = mean_std([x["best_metric"] for x in summaries])
-    p = summaries[0]["params"]
+def summarise(label: str, summaries: list[RunSummary]) -> dict[str, Any]:
+    """One table row from the seeds of one variant."""
+    metric = summaries[0].main_metric
+    m, s = mean_std([x.best_metric for x in summaries])
+    p = summaries[0].params or {}
     kept = p.get("effective_without_head", p["trainable_without_head"])
     return {
         "variant": label,
         "metric": metric,
-        "task": summaries[0].get("task"),
+        "task": summaries[0].task or None,
         "mean": m,
         "std": s,
-        "seeds": sum(has_value(x["best_metric"]) for x in summaries),  # in the mean
+        "seeds": sum(has_value(x.best_metric) for x in summaries),  # in the mean
         "seeds_run": len(summaries),
-        "values": [x["best_metric"] for x in summaries],
+        "values": [x.best_metric for x in summaries],
         "trainable_params": p["trainable_total"],
         "trainable_without_head": p["trainable_without_head"],
         "percent_of_backbone": p["percent_of_backbone"],
@@ -281,8 +230,8 @@ def summarise(label: str, summaries: list[dict[str, Any]]) -> dict[str, Any]:
         "effective_without_head": kept,
         "percent_effective": p["percent_of_backbone"] if kept == p["trainable_without_head"]
         else p["percent_of_backbone"] * kept / max(p["trainable_without_head"], 1),
-        "sec_per_step": statistics.fmean(x["seconds_per_step"] for x in summaries),
-        "peak_rss_mb": max(x["peak_rss_mb"] for x in summaries),
+        "sec_per_step": statistics.fmean(x.seconds_per_step or 0.0 for x in summaries),
+        "peak_rss_mb": max(x.peak_rss_mb or 0.0 for x in summaries),
         "selected": False,  # True for the variant a --best-seeds search picked
         "tied_with": [],  # the selected variant's equals on the grid (it came first)
     }
@@ -385,7 +334,7 @@ def run_compare(base: ExperimentConfig, vary: list[tuple[str, list[str]]], seeds
     ``versus = LABEL``: every row also gets its gap to that variant and Welch's p
     (``versus.add_versus``); the label is checked before anything runs.
     """
-    from ..io import write_json
+    from ..io import atomic_write, write_json
     from .versus import add_versus, check_reference
 
     variants = expand(base, vary, seeds)
@@ -396,7 +345,8 @@ def run_compare(base: ExperimentConfig, vary: list[tuple[str, list[str]]], seeds
     rows = [summarise(label, sums) for (label, _), sums in zip(variants, per_variant,
                                                                strict=True)]
     if best_seeds is not None and best_seeds > seeds:
-        pick, tied = best_variant(rows, per_variant[0][0].get("greater_is_better", True))
+        gib = per_variant[0][0].greater_is_better
+        pick, tied = best_variant(rows, True if gib is None else gib)
         label, cfgs = variants[pick]
         extra = [replace(cfgs[0], seed=s, name=f"seed-{s}") for s in range(seeds, best_seeds)]
         sums = per_variant[pick] + _run_configs(extra, run, resume, parallel)
@@ -406,9 +356,7 @@ def run_compare(base: ExperimentConfig, vary: list[tuple[str, list[str]]], seeds
     out = Path(base.output_dir) / base.name
     out.mkdir(parents=True, exist_ok=True)
     for name, text in (("comparison.md", to_markdown(rows)), ("comparison.csv", to_csv(rows))):
-        tmp = out / f".{name}.tmp"
-        tmp.write_text(text)
-        tmp.replace(out / name)
+        atomic_write(out / name, text)
     write_json(out / "comparison.json", rows)
     varied = {key for key, _ in vary}
     fig = bar_plot(rows, model=None if "model.name" in varied else base.model.name)

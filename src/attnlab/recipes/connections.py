@@ -41,7 +41,11 @@ from ..analysis.connections import (
     connection_bars,
     token_classes,
 )
-from ..analysis.report import write_atomic
+from ..analysis.plots import save_figure
+from ..config import load_config
+from ..hf.capture import capture_attention
+from ..io import atomic_write
+from ..tasks import get_task
 from .analyze import (
     INPUT_KEYS,
     LoadedModel,
@@ -85,9 +89,6 @@ def load_ner_model(spec: str) -> LoadedModel:
             "model folder"
         )
     if spec != "default" and is_run_dir(path):
-        from ..config import load_config
-        from ..tasks import get_task
-
         cfg = load_config(path / "config.yaml")
         task = get_task(cfg.task.name)
         if task.head != "token-classification":
@@ -137,8 +138,6 @@ def _task_and_data(loaded: LoadedModel, source: ConllSource) -> tuple[str, str, 
 def labelled_features(loaded: LoadedModel, source: ConllSource
                       ) -> tuple[list[dict[str, list[int]]], list[list[str]], dict[str, Any]]:
     """(model inputs per sentence, token classes per sentence, description of the text)."""
-    from ..tasks import get_task
-
     if source.limit is not None and source.limit < 1:
         raise ValueError(f"--limit must be at least 1, got {source.limit}")
     name, data_dir, max_length = _task_and_data(loaded, source)
@@ -175,8 +174,6 @@ def count_model(
     progress: Progress | None = None,
 ) -> ConnectionsResult:
     """Stream the sentences through the model; per-layer major-connection counts."""
-    from ..hf.capture import capture_attention
-
     inputs, labels, info = labelled_features(loaded, source)
     counter = ConnectionCounter(entities_only=entities_only, include_diagonal=include_diagonal)
     work = batches(inputs, loaded.tokenizer, batch_size)
@@ -227,13 +224,11 @@ def describe(result: ConnectionsResult) -> str:
 
 def write_connections(result: ConnectionsResult, out: Path) -> list[Path]:
     """connections.csv/json and the two bar plots into ``out``; returns the paths."""
-    from ..analysis.plots import save_figure
-
     out = Path(out)
     rows = result.counts.rows()
     doc = {**result.counts.to_dict(), "rows": rows, "meta": result.meta}
-    written = [write_atomic(out / "connections.csv", _csv(rows)),
-               write_atomic(out / "connections.json", json.dumps(doc, indent=1) + "\n")]
+    written = [atomic_write(out / "connections.csv", _csv(rows)),
+               atomic_write(out / "connections.json", json.dumps(doc, indent=1) + "\n")]
     what = describe(result)
     written += save_figure(connection_bars(result.counts, title=f"major connections: {what}"),
                            out / "connections_per_layer")
@@ -246,8 +241,6 @@ def write_connections(result: ConnectionsResult, out: Path) -> list[Path]:
 def compare_connections(a: ConnectionsResult, b: ConnectionsResult, out: Path
                         ) -> tuple[dict[str, Any], list[Path]]:
     """Two models side by side: one CSV with both, a JSON, and bar plots with/without SEP."""
-    from ..analysis.plots import save_figure
-
     if a.meta["sentences"] != b.meta["sentences"]:
         raise ValueError(f"the two models read different sentences ({a.meta['sentences']} vs "
                          f"{b.meta['sentences']}); give both the same data")
@@ -260,8 +253,8 @@ def compare_connections(a: ConnectionsResult, b: ConnectionsResult, out: Path
     doc = {"classes": list(PAIR_CLASSES), "a": {**a.counts.to_dict(), "meta": a.meta},
            "b": {**b.counts.to_dict(), "meta": b.meta},
            "difference_b_minus_a": (b.counts.counts - a.counts.counts).tolist()}
-    written = [write_atomic(out / "connections_compare.csv", _csv(rows)),
-               write_atomic(out / "connections_compare.json", json.dumps(doc, indent=1) + "\n")]
+    written = [atomic_write(out / "connections_compare.csv", _csv(rows)),
+               atomic_write(out / "connections_compare.json", json.dumps(doc, indent=1) + "\n")]
     what = f"{a.meta['sentences']} sentences of {a.meta['text']}"
     for sep, suffix in ((True, ""), (False, "_nosep")):
         fig = compare_connection_bars(

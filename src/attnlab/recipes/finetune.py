@@ -30,6 +30,7 @@ from ..config import (
     with_optim_defaults,
 )
 from ..io import write_json
+from ..models import load_model
 from ..train.checkpoint import TrainerState, list_checkpoints
 from ..train.loop import LoopParts, LoopSettings, fit, plan_steps
 from ..train.memory import peak_rss_mb, reset_peak_rss
@@ -39,13 +40,6 @@ from ..tuning.base import TaskInfo, resolve_tuning, save_tuned
 from .preflight import preflight
 from .rundir import now, provenance, prune_finished
 from .summary import RunSummary, write_summary
-
-AUTO_CLASSES = {
-    "sequence-classification": "AutoModelForSequenceClassification",
-    "token-classification": "AutoModelForTokenClassification",
-    "question-answering": "AutoModelForQuestionAnswering",
-    "masked-lm": "AutoModelForMaskedLM",
-}
 
 
 def task_kind(task) -> str:
@@ -60,30 +54,13 @@ def task_kind(task) -> str:
 
 
 def build_model(cfg: ExperimentConfig, task) -> tuple[torch.nn.Module, Any]:
-    """(model with the task's head, tokenizer) from ``cfg.model``; heads are new (random)."""
-    import transformers
-
-    from ..models import encoder_config, load_default_model
-
-    name, head = cfg.model.name, task.head
-    id2label = dict(enumerate(task.label_names)) if task.label_names else None
-    num_labels = max(task.num_labels, 1)
-    if name == "default":
-        model, tok = load_default_model(head, num_labels=num_labels, id2label=id2label,
-                                        attn_implementation=cfg.model.attn_implementation)
-    elif name.startswith("scratch:"):
-        _, tok = load_default_model("base")
-        config = encoder_config(name.split(":", 1)[1], num_labels=num_labels)
-        if id2label:
-            config.id2label, config.label2id = id2label, {v: k for k, v in id2label.items()}
-        auto = getattr(transformers, AUTO_CLASSES[head])
-        model = auto.from_config(config, attn_implementation=cfg.model.attn_implementation)
-    else:
-        auto = getattr(transformers, AUTO_CLASSES[head])
-        kw = {"num_labels": num_labels} if head != "question-answering" else {}
-        model = auto.from_pretrained(name, attn_implementation=cfg.model.attn_implementation,
-                                     **kw)
-        tok = transformers.AutoTokenizer.from_pretrained(name)
+    """(model with the task's head, tokenizer) from ``cfg.model`` (``models.load_model``:
+    the embedded MiniLM, ``scratch:SIZE`` or a folder); heads are new (random)."""
+    head = task.head
+    model, tok = load_model(cfg.model.name, head, num_labels=max(task.num_labels, 1),
+                            id2label=(dict(enumerate(task.label_names)) if task.label_names
+                                      else None),
+                            attn_implementation=cfg.model.attn_implementation)
     if head == "sequence-classification":
         model.config.problem_type = task.problem_type
     if cfg.model.dropout is not None:

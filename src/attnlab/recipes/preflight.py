@@ -14,14 +14,17 @@ import os
 from pathlib import Path
 
 from ..config import ConfigError, ExperimentConfig
+from ..hf.check import check_model_config
+from ..hf.plan import Plan
+from ..models import SIZES
+from ..tasks import get_task
 from ..tasks.base import require_package
+from ..tuning import resolve_tuning
 from .rundir import check_writable
 
 
 def check_model_name(name: str) -> None:
     """``default``, ``scratch:SIZE``, or a local model folder (hub ids only when online)."""
-    from ..models import SIZES
-
     if name == "default":
         return
     if name.startswith("scratch:"):
@@ -45,11 +48,6 @@ def check_model_name(name: str) -> None:
 
 def preflight(cfg: ExperimentConfig, load_data: bool = False) -> None:
     """Raise the first problem that would stop ``cfg`` from running (nothing is written)."""
-    from ..hf.check import check_model_config
-    from ..hf.plan import Plan
-    from ..tasks import get_task
-    from ..tuning import resolve_tuning
-
     task = get_task(cfg.task.name)
     if cfg.plan:
         Plan.parse(cfg.plan)
@@ -65,7 +63,7 @@ def preflight(cfg: ExperimentConfig, load_data: bool = False) -> None:
             "../shared/data), 'builtin' for the shipped sample, or null for the hub")
     check_writable(cfg.run_dir)
     if load_data:
-        from .finetune import eval_splits_of
+        from .finetune import eval_splits_of  # cycle: finetune imports this module
 
         task.load(cfg.task.train_split or task.train_split, cfg.task.data_dir)
         for split in eval_splits_of(cfg, task):

@@ -11,7 +11,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..analysis import read_history, read_json
+import yaml
+
+from ..analysis import build_report, read_history, read_json
+from ..tasks import get_task
 from .analyze import (
     ANALYSIS_DIR,
     Progress,
@@ -25,8 +28,6 @@ from .analyze import (
 
 
 def _load_yaml(path: Path) -> Any:
-    import yaml
-
     return yaml.safe_load(path.read_text(encoding="utf-8")) if path.is_file() else None
 
 
@@ -45,8 +46,6 @@ def run_report(
     ``examples.json`` and head maps); otherwise the run's model is rebuilt and analysed on the
     first ``sample`` examples of its task's dev split (nothing is written to ``analysis/``).
     """
-    from ..analysis import build_report
-
     run = Path(run_dir)
     if not run.exists():
         raise FileNotFoundError(f"run directory {run} does not exist")
@@ -103,8 +102,6 @@ def _model_label(config: Any) -> str:
 def _loss_unit(task_name: str | None) -> str:
     """What the logged training loss measures: squared error for regression tasks (STS-B),
     else cross-entropy in nats (classification, tagging, span starts/ends, masked tokens)."""
-    from ..tasks import get_task
-
     try:
         regression = getattr(get_task(str(task_name)), "problem_type", None) == "regression"
     except (KeyError, ValueError):

@@ -23,6 +23,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ..config import ConfigError, ExperimentConfig
 
 LIBRARIES = ("torch", "transformers", "peft", "accelerate", "tokenizers", "datasets")
@@ -92,8 +94,6 @@ def git_commit() -> str | None:
 
 
 def device_name() -> str:
-    import torch
-
     if torch.cuda.is_available():
         return f"cuda: {torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}"
     return f"cpu: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
@@ -103,11 +103,6 @@ def provenance() -> dict[str, Any]:
     v = versions()
     return {"attnlab_version": v.pop("attnlab"), "git_commit": git_commit(), "versions": v,
             "device": device_name()}
-
-
-def is_finished(summary: dict[str, Any]) -> bool:
-    """A summary of a run that ran to its end (not interrupted, not failed)."""
-    return not summary.get("interrupted") and summary.get("status", "finished") == "finished"
 
 
 def now() -> str:

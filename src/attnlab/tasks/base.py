@@ -33,10 +33,13 @@ task supports it.
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
+
+import torch
 
 from attnlab.core import Registry
 
@@ -62,8 +65,6 @@ class MissingPackageError(ImportError):
 def require_package(module: str, extra: str, why: str) -> None:
     """Raise MissingPackageError naming ``pip install 'attnlab[extra]'`` if ``module`` is
     not importable."""
-    import importlib.util
-
     if importlib.util.find_spec(module) is None:
         raise MissingPackageError(
             f"{why} needs the optional package {module!r}: pip install 'attnlab[{extra}]'")
@@ -210,7 +211,7 @@ class KeepKeys:
 
 def padding_collator(tokenizer: Any) -> KeepKeys:
     """Model inputs only, padded by Hugging Face's ``DataCollatorWithPadding``."""
-    from transformers import DataCollatorWithPadding
+    from transformers import DataCollatorWithPadding  # heavy: the CLI imports tasks at start
 
     return KeepKeys(DataCollatorWithPadding(tokenizer), MODEL_INPUT_KEYS)
 
@@ -222,8 +223,6 @@ def logit_rows(outputs: Mapping[str, Any]) -> list:
 
 def to_numpy(t: Any) -> Any:
     """Detached numpy copy of a tensor; floating types become float32 (bf16 has no numpy)."""
-    import torch
-
     if isinstance(t, torch.Tensor):
         t = t.detach().cpu()
         if t.is_floating_point():

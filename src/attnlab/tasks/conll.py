@@ -162,6 +162,7 @@ class ConllTask:
         return feats
 
     def collator(self, tokenizer: Any, seed: int = 0) -> Callable[[list[Feature]], dict]:
+        # heavy: transformers; the CLI imports tasks at start
         from transformers import DataCollatorForTokenClassification
 
         return KeepKeys(DataCollatorForTokenClassification(tokenizer), MODEL_INPUT_KEYS)

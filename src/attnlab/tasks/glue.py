@@ -167,7 +167,7 @@ class GlueTask:
     def _load_hub(self, split: str) -> list[GlueExample]:
         require_package("datasets", "hub", f"GLUE {self.name} from the Hugging Face hub "
                         "(data_dir None)")
-        from datasets import load_dataset  # network; never used by the tests
+        from datasets import load_dataset  # optional: datasets (the hub extra); network
 
         hf_split = split.replace("dev", "validation")
         ds = load_dataset("nyu-mll/glue", self.hf_config, split=hf_split)

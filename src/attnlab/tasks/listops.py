@@ -42,10 +42,8 @@ classes); metric: accuracy.
 from __future__ import annotations
 
 import csv
-import os
 import random
 import re
-import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +51,7 @@ from typing import Any
 
 import numpy as np
 
+from ..io import atomic_path
 from .base import (
     BUILTIN,
     DataFormatError,
@@ -220,6 +219,7 @@ def generate_listops(
     ``progress`` shows a rich progress bar. ``max_stall``: give up (RuntimeError) after this
     many draws in a row without a new tree, e.g. when fewer distinct trees exist than asked.
     """
+    # start-up: rich.progress only when generating (the CLI imports tasks at start)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 
     counts = (num_train, num_valid, num_test)
@@ -253,19 +253,12 @@ def generate_listops(
 
 
 def write_tsv(rows: Iterable[tuple[str, int]], path: str | Path) -> Path:
-    """Write ``Source\\tTarget`` rows like the official ``csv.writer``; atomic (os.replace)."""
+    """Write ``Source\\tTarget`` rows like the official ``csv.writer``; atomic (``io``)."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as fh:
-            writer = csv.writer(fh, delimiter="\t")
-            writer.writerow(["Source", "Target"])
-            writer.writerows(rows)
-        os.chmod(tmp, 0o644)  # mkstemp makes it private (0600)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8", newline="") as fh:
+        writer = csv.writer(fh, delimiter="\t")
+        writer.writerow(["Source", "Target"])
+        writer.writerows(rows)
     return path
 
 

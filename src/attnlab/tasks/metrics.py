@@ -24,28 +24,28 @@ MetricSet = Literal["mcc", "accuracy", "f1_accuracy", "pearson_spearman"]
 
 
 def accuracy(preds: Sequence[int], labels: Sequence[int]) -> float:
-    from sklearn.metrics import accuracy_score
+    from sklearn.metrics import accuracy_score  # heavy: sklearn; tasks load at CLI start
 
     return float(accuracy_score(labels, preds))
 
 
 def binary_f1(preds: Sequence[int], labels: Sequence[int]) -> float:
     """F1 of the positive class (label 1), as GLUE reports it for MRPC and QQP."""
-    from sklearn.metrics import f1_score
+    from sklearn.metrics import f1_score  # heavy: sklearn; tasks load at CLI start
 
     return float(f1_score(labels, preds, pos_label=1, average="binary", zero_division=0.0))
 
 
 def matthews(preds: Sequence[int], labels: Sequence[int]) -> float:
     """Matthews correlation (CoLA); 0.0 when a row or column of the confusion matrix is empty."""
-    from sklearn.metrics import matthews_corrcoef
+    from sklearn.metrics import matthews_corrcoef  # heavy: sklearn; tasks load at CLI start
 
     return float(matthews_corrcoef(labels, preds))
 
 
 def pearson_spearman(preds: Sequence[float], labels: Sequence[float]) -> dict[str, float]:
     """Pearson and Spearman correlation (STS-B); nan when either side is constant."""
-    from scipy.stats import pearsonr, spearmanr
+    from scipy.stats import pearsonr, spearmanr  # heavy: scipy; tasks load at CLI start
 
     p, y = np.asarray(preds, dtype=np.float64), np.asarray(labels, dtype=np.float64)
     if len(p) < 2 or np.ptp(p) == 0 or np.ptp(y) == 0:
@@ -83,7 +83,7 @@ def ner_metrics(gold: Sequence[Sequence[str]], pred: Sequence[Sequence[str]]) ->
 
     Also ``f1_<TYPE>`` per entity type present in the gold tags.
     """
-    from seqeval.metrics import (
+    from seqeval.metrics import (  # heavy: seqeval (sklearn); tasks load at CLI start
         accuracy_score,
         classification_report,
         f1_score,

@@ -25,11 +25,14 @@ are never chosen. Masks are seeded per batch by (seed, its block indices)
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from .base import (
     BUILTIN,
@@ -43,6 +46,7 @@ from .base import (
     read_lines,
     register_task,
 )
+from .glue import GLUE_TASKS
 from .metrics import perplexity
 
 WIKI_NAMES = {"train": "train", "dev": "valid", "test": "test"}
@@ -130,8 +134,6 @@ class MlmTask:
     def _builtin(self, split: str) -> list[TextExample]:
         if split == "test":
             raise ValueError("the built-in sample has only train and dev splits")
-        from .glue import GLUE_TASKS
-
         rows = GLUE_TASKS["cola"].load(split, BUILTIN)
         return [TextExample(guid=r.guid, text=r.text_a) for r in rows if r.label == 1]
 
@@ -170,6 +172,7 @@ class MlmTask:
         return feats
 
     def collator(self, tokenizer: Any, seed: int = 0) -> Callable[[list[Feature]], dict]:
+        # heavy: transformers; the CLI imports tasks at start
         from transformers import DataCollatorForLanguageModeling
 
         inner = DataCollatorForLanguageModeling(
@@ -185,8 +188,6 @@ class MlmTask:
 
     def batch_predictions(self, outputs: Mapping[str, Any], batch: Mapping[str, Any]) -> list:
         """``(sum of NLL over masked tokens, masked tokens, correct argmax)`` per row."""
-        import torch
-
         logits = outputs["logits"].detach().float()  # [b, n, V]
         labels = batch["labels"].to(logits.device)  # [b, n], -100 = not predicted
         keep = labels != -100
@@ -222,10 +223,6 @@ class SeededMasking:
     seed: int
 
     def __call__(self, features: list[Feature]) -> dict:
-        import hashlib
-
-        import torch
-
         blocks = ",".join(str(f.get("block_index", -1)) for f in features)
         digest = hashlib.sha256(f"mlm:{self.seed}:{blocks}".encode()).digest()
         self.collate.inner.generator = torch.Generator().manual_seed(

@@ -179,7 +179,7 @@ def _check_windows_cover(examples: Sequence[SquadExample], reached: Sequence[int
              if o and reached[i] < o[-1][1]]
     if short:
         i, end = short[0]
-        import tokenizers
+        import tokenizers  # only for its version in this error message
 
         raise RuntimeError(
             f"{len(short)} of {len(examples)} SQuAD contexts lost their end in the tokenizer's "

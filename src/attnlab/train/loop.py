@@ -31,6 +31,7 @@ import torch
 from safetensors.torch import load_model, save_model
 from tqdm.auto import tqdm
 
+from ..io import atomic_path
 from .checkpoint import TrainerState, list_checkpoints, load_checkpoint, save_checkpoint
 
 
@@ -293,9 +294,8 @@ def _evaluate(parts: LoopParts, settings: LoopSettings, accelerator, model,
         state.best_metric, state.best_step = value, state.step
         state.evals_without_improvement = 0
         if accelerator.is_main_process and settings.keep_best:
-            tmp = run_dir / ".best.safetensors.tmp"
-            save_model(accelerator.unwrap_model(model), str(tmp))
-            tmp.replace(run_dir / "best.safetensors")
+            with atomic_path(run_dir / "best.safetensors") as tmp:
+                save_model(accelerator.unwrap_model(model), str(tmp))
     else:
         state.evals_without_improvement += 1
     accelerator.wait_for_everyone()

@@ -21,6 +21,14 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
+from transformers import (
+    BertConfig,
+    BertForSequenceClassification,
+    BertForTokenClassification,
+    RobertaConfig,
+    RobertaForSequenceClassification,
+    RobertaForTokenClassification,
+)
 
 from .base import (
     TaskInfo,
@@ -85,15 +93,6 @@ def count_parameters(model: nn.Module, tuner: Tuner | None = None) -> dict[str, 
 def build_published(model_config: str, task_type: TaskType = "single",
                     device: str | torch.device = "meta") -> nn.Module:
     """A random-init model of a published architecture with the task's head."""
-    from transformers import (
-        BertConfig,
-        BertForSequenceClassification,
-        BertForTokenClassification,
-        RobertaConfig,
-        RobertaForSequenceClassification,
-        RobertaForTokenClassification,
-    )
-
     if model_config not in PUBLISHED_CONFIGS:
         raise ValueError(f"unknown model config {model_config!r}; choose one of "
                          f"{', '.join(PUBLISHED_CONFIGS)}")

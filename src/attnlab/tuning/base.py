@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +36,7 @@ import torch
 from torch import nn
 
 from attnlab.core import Registry
+from attnlab.io import atomic_path
 
 TaskKind = Literal["single", "pair", "ner", "qa", "other"]
 RECORD_ATTR = "_attnlab_tuning"
@@ -411,19 +411,12 @@ def save_tuned(model: nn.Module, tuner: Tuner, path: str | os.PathLike) -> Path:
     from safetensors.torch import save_file
 
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     state = tuner.state_dict_to_save(model)
     record = tuning_record(model)
     meta = {"attnlab_tuner": tuner.name, "attnlab_spec": record.spec if record else ""}
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, tmp,
+    with atomic_path(path) as tmp:
+        save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, str(tmp),
                   metadata=meta)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
     return path
 
 

@@ -77,7 +77,7 @@ class LoraTunerConfig(TunerConfig):
 
 
 def _wrap(model: nn.Module, peft_config) -> nn.Module:
-    import peft
+    import peft  # heavy: peft, imported on use
 
     with warnings.catch_warnings():  # peft 0.21 calls an API transformers 5 deprecated
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*",
@@ -87,14 +87,14 @@ def _wrap(model: nn.Module, peft_config) -> nn.Module:
 
 def _peft_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """peft's own adapter state (LoRA matrices or prefix, plus the head's trained copy)."""
-    from peft import get_peft_model_state_dict
+    from peft import get_peft_model_state_dict  # heavy: peft, imported on use
 
     return {k: v.detach().clone().contiguous()
             for k, v in get_peft_model_state_dict(model).items()}
 
 
 def _peft_load(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
-    from peft import set_peft_model_state_dict
+    from peft import set_peft_model_state_dict  # heavy: peft, imported on use
 
     expected = set(_peft_state(model))
     if set(state) != expected:
@@ -126,7 +126,7 @@ class LoraTuner(_PeftTuner):
 
     def apply(self, model: nn.Module, cfg: LoraTunerConfig, task: TaskInfo | None = None
               ) -> nn.Module:
-        from peft import LoraConfig, TaskType
+        from peft import LoraConfig, TaskType  # heavy: peft, imported on use
 
         record = start_tuning(model, cfg)
         peft_cfg = LoraConfig(
