@@ -25,6 +25,7 @@ from .analyze import (
     read_examples,
     source_for,
 )
+from .summary import read_summary
 
 
 def _load_yaml(path: Path) -> Any:
@@ -54,7 +55,8 @@ def run_report(
     config = _load_yaml(run / "config.yaml")
     plan_file = run / "plan.json"
     summary_file = run / "summary.json"
-    summary = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
+    summary = ({k: v for k, v in read_summary(run).to_dict().items() if v is not None}
+               if summary_file.is_file() else {})
     # plan.json (or the summary's plan): a list, {"plan": [...]}, or older runs' JSON string
     plan = json.loads(plan_file.read_text()) if plan_file.is_file() else summary.get("plan")
     metrics = {k: v for k, v in summary.items() if k not in ("plan", "surgery")}
