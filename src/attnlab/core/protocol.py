@@ -9,11 +9,12 @@ Shape glossary (used in comments across the package):
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, NamedTuple, Protocol, runtime_checkable
 
 import torch
+
+from .spec import config_dict, config_spec
 
 Scope = Literal["head", "layer", "module"]
 
@@ -30,24 +31,11 @@ class MechanismConfig:
 
     def spec(self) -> str:
         """The spec string that rebuilds this config, e.g. ``band(window=64)``."""
-        args = ", ".join(
-            f"{f.name}={_spec_value(getattr(self, f.name))}" for f in dataclasses.fields(self)
-        )
-        return f"{self.name}({args})" if args else self.name
+        return config_spec(self)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-JSON form: ``{"name": ..., **fields}`` (tuples become lists)."""
-        out: dict[str, Any] = {"name": self.name}
-        for f in dataclasses.fields(self):
-            val = getattr(self, f.name)
-            out[f.name] = list(val) if isinstance(val, tuple) else val
-        return out
-
-
-def _spec_value(val: Any) -> str:
-    if isinstance(val, tuple):
-        return "[" + ", ".join(_spec_value(v) for v in val) + "]"
-    return repr(val)
+        return config_dict(self)
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,29 @@ def unknown_parameter(key: str, owner: str, known: Sequence[str]) -> str:
 # ----------------------------------------------------------------------------- the grammar
 
 
+def _literal(val: Any) -> str:
+    if isinstance(val, tuple):
+        return "[" + ", ".join(_literal(v) for v in val) + "]"
+    return repr(val)
+
+
+def config_spec(cfg: Any) -> str:
+    """The spec string that rebuilds the config dataclass ``cfg`` (its class-level ``name``
+    and every field), e.g. ``band(window=64)``; the inverse of :func:`parse_spec`."""
+    args = ", ".join(f"{f.name}={_literal(getattr(cfg, f.name))}"
+                     for f in dataclasses.fields(cfg))
+    return f"{cfg.name}({args})" if args else cfg.name
+
+
+def config_dict(cfg: Any) -> dict[str, Any]:
+    """Plain-JSON form of a config dataclass: ``{"name": ..., **fields}`` (tuples -> lists)."""
+    out: dict[str, Any] = {"name": cfg.name}
+    for f in dataclasses.fields(cfg):
+        val = getattr(cfg, f.name)
+        out[f.name] = list(val) if isinstance(val, tuple) else val
+    return out
+
+
 def parse_spec(spec: str, kind: str = "mechanism", example: str = "band(window=64)"
                ) -> tuple[str, dict[str, Any]]:
     """``"band(window=4)"`` -> ``("band", {"window": 4})``. Keyword arguments only.
@@ -177,7 +200,7 @@ def build_config(config_cls: type, kwargs: Mapping[str, Any], owner: str) -> Any
         raise RegistryError(f"invalid {owner} config: {e}") from None
 
 
-def split_spec(spec: str | Mapping[str, Any], kind: str, example: str
+def split_spec(spec: str | Mapping[str, Any] | object, kind: str, example: str
                ) -> tuple[str, dict[str, Any]]:
     """A spec string or a mapping ``{"name": ..., **parameters}`` -> (name, parameters)."""
     if isinstance(spec, str):

@@ -35,7 +35,7 @@ from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from attnlab.core import Registry
+from attnlab.core import Registry, config_dict, config_spec
 from attnlab.io import atomic_path
 
 TaskKind = Literal["single", "pair", "ner", "qa", "other"]
@@ -84,19 +84,11 @@ class TunerConfig:
 
     def spec(self) -> str:
         """The spec string that rebuilds this config, e.g. ``lora(r=8, alpha=16, ...)``."""
-        parts = []
-        for f in dataclasses.fields(self):
-            val = getattr(self, f.name)
-            parts.append(f"{f.name}={list(val) if isinstance(val, tuple) else val!r}")
-        return f"{self.name}({', '.join(parts)})" if parts else self.name
+        return config_spec(self)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-JSON form ``{"name": ..., **fields}`` (tuples become lists)."""
-        out: dict[str, Any] = {"name": self.name}
-        for f in dataclasses.fields(self):
-            val = getattr(self, f.name)
-            out[f.name] = list(val) if isinstance(val, tuple) else val
-        return out
+        return config_dict(self)
 
 
 @dataclass(frozen=True, kw_only=True)
