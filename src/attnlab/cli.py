@@ -1,4 +1,9 @@
-"""The ``attnlab`` command. Thin: parses arguments, calls a recipe, prints with rich."""
+"""The ``attnlab`` command. Thin: parses arguments, calls a recipe, prints with rich.
+
+Each command imports what it runs inside its own function (start-up time: ``attnlab --help``
+and ``attnlab ls`` load no transformers, peft, accelerate or matplotlib;
+tests/test_architecture.py checks it), so the imports inside functions here are all that.
+"""
 
 from __future__ import annotations
 

@@ -24,12 +24,14 @@ cell and each row's trained share of the backbone, ``matrix.png`` one panel per 
 from __future__ import annotations
 
 import warnings
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from ..config import ConfigError
+from ..io import atomic_path, atomic_write, write_json
 from .compare import bar_plot, mean_std_text, summarise, to_csv, to_markdown
 from .summary import read_summary
 
@@ -140,8 +142,6 @@ def collect(items: list[str], show: list[str] | None = None, matrix: bool = Fals
 def to_matrix_markdown(rows: list[dict[str, Any]]) -> str:
     """Rows x columns of ``ROW@COLUMN`` labels: mean ± std per cell (``(n=k)`` where a cell
     has another seed count than most), and each row's trained share of the backbone."""
-    from collections import Counter
-
     cells = {cell_of(r["variant"]): r for r in rows}
     names = list(dict.fromkeys(k[0] for k in cells))
     cols = list(dict.fromkeys(k[1] for k in cells))
@@ -179,7 +179,7 @@ def matrix_plot(rows: list[dict[str, Any]], model: str | None = None):
     """One panel per column (task), three to a line: each row's mean ± std and its seeds as
     points on the task's own metric axis (``figures.matrix_plot``); a cell no run filled is
     a hatched "n/a" band, not a zero."""
-    from .figures import matrix_plot as draw
+    from .figures import matrix_plot as draw  # heavy: matplotlib, imported on use
 
     cells = {cell_of(r["variant"]): r for r in rows}
     names = list(dict.fromkeys(k[0] for k in cells))
@@ -192,7 +192,6 @@ def write_collected(rows: list[dict[str, Any]], out: Path, show: list[str] | Non
                     matrix: bool = False) -> Path:
     """comparison.{md,csv,json,png} under ``out`` (atomic writes); with ``matrix`` also
     matrix.md and matrix.png (rows x columns)."""
-    from ..io import atomic_path, atomic_write, write_json
 
     out.mkdir(parents=True, exist_ok=True)
     md = to_markdown(rows)

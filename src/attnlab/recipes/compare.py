@@ -20,26 +20,35 @@ import hashlib
 import io
 import itertools
 import math
+import os
 import statistics
+import subprocess
+import sys
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
+from rich.progress import Progress
 
 from ..config import (
     ConfigError,
     ExperimentConfig,
     apply_overrides,
     from_dict,
+    resolved_yaml,
     run_config_changes,
     to_dict,
     validate,
     with_optim_defaults,
 )
+from ..io import atomic_write, write_json
 from ..presets import plan_value
 from .summary import RunSummary, read_summary
+from .versus import add_versus, check_reference, versus_cells
 
 
 def parse_vary(items: list[str]) -> list[tuple[str, list[str]]]:
@@ -165,15 +174,8 @@ def run_parallel(cfgs: list[ExperimentConfig], workers: int, resume: bool = Fals
     them (CUDA_VISIBLE_DEVICES); CPU threads are shared out (OMP_NUM_THREADS, unless set).
     Raises ConfigError naming the logs of the runs that failed.
     """
-    import os
-    import subprocess
-    import sys
-    from concurrent.futures import ThreadPoolExecutor, as_completed
 
-    import torch
-    from rich.progress import Progress
 
-    from ..config import resolved_yaml
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     threads = str(max(1, (os.cpu_count() or 1) // workers))
@@ -240,7 +242,6 @@ def summarise(label: str, summaries: list[RunSummary]) -> dict[str, Any]:
 def to_markdown(rows: list[dict[str, Any]]) -> str:
     """The table: one row per variant; with ``--versus`` (rows carry ``delta``/``p_welch``,
     ``versus.add_versus``) two more columns, the gap to the reference and Welch's p."""
-    from .versus import versus_cells
 
     vs = rows[0].get("versus") if rows else None
     extra = f" Δ vs {vs} | p (Welch) |" if vs else ""
@@ -304,7 +305,7 @@ def bar_plot(rows: list[dict[str, Any]], model: str | None = None):
     Drawn by ``figures.seed_plot`` as points, not bars, so the metric axis follows the data
     instead of starting at zero; it names the task (the rows' ``task``), the ``model``
     and the metric's unit."""
-    from .figures import seed_plot
+    from .figures import seed_plot  # heavy: matplotlib, imported on use
 
     return seed_plot(rows, model=model)
 
@@ -334,8 +335,6 @@ def run_compare(base: ExperimentConfig, vary: list[tuple[str, list[str]]], seeds
     ``versus = LABEL``: every row also gets its gap to that variant and Welch's p
     (``versus.add_versus``); the label is checked before anything runs.
     """
-    from ..io import atomic_write, write_json
-    from .versus import add_versus, check_reference
 
     variants = expand(base, vary, seeds)
     if versus is not None:  # fail now, not after hours of training

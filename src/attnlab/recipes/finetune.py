@@ -21,22 +21,29 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
 
 from ..config import (
     ConfigError,
     ExperimentConfig,
+    load_config,
     resolved_yaml,
     run_config_changes,
     with_optim_defaults,
 )
+from ..hf.backend import aux_loss as mechanism_aux_loss
+from ..hf.plan import Plan
+from ..hf.surgery import apply_plan
 from ..io import write_json
 from ..models import load_model
+from ..tasks import get_task
 from ..train.checkpoint import TrainerState, list_checkpoints
 from ..train.loop import LoopParts, LoopSettings, fit, plan_steps
 from ..train.memory import peak_rss_mb, reset_peak_rss
 from ..train.optim import OptimSettings, build_optimizer
 from ..tuning.accounting import count_parameters
-from ..tuning.base import TaskInfo, resolve_tuning, save_tuned
+from ..tuning.base import TaskInfo, load_tuned_file, resolve_tuning, save_tuned
 from .preflight import preflight
 from .rundir import now, provenance, prune_finished
 from .summary import RunSummary, write_summary
@@ -183,8 +190,6 @@ def run_experiment(cfg: ExperimentConfig, resume: bool = False,
 
 def _run_experiment(cfg: ExperimentConfig, resume: bool, stop_after: int | None,
                     started: str, t0: float) -> dict[str, Any]:
-    from accelerate import Accelerator
-
     reset_peak_rss()  # peak memory of this run, not of earlier runs in the process
     _release_other_precision(cfg.train.mixed_precision)
     accelerator = Accelerator(mixed_precision=cfg.train.mixed_precision,
@@ -228,21 +233,14 @@ class _Run:
 
     def aux_loss(self, model: torch.nn.Module) -> torch.Tensor | None:
         """The mechanisms' regularisers plus the tuner's (Diff-Prune's L0), or None."""
-        from ..hf.backend import aux_loss
-
-        extra = [x for x in (aux_loss(model), self.tuner.aux_loss(model)) if x is not None]
+        extra = [x for x in (mechanism_aux_loss(model), self.tuner.aux_loss(model))
+                 if x is not None]
         return sum(extra) if extra else None
 
 
 def _prepare(cfg: ExperimentConfig, accelerator) -> _Run:
     """Data (first: a run that cannot start writes nothing), the run folder, the model with
     its plan and tuner, the encoded features and the evaluator."""
-    from accelerate.utils import set_seed
-
-    from ..hf.plan import Plan
-    from ..hf.surgery import apply_plan
-    from ..tasks import get_task
-
     task = get_task(cfg.task.name)
     train_ex = subset(task.load(cfg.task.train_split or task.train_split, cfg.task.data_dir),
                       cfg.task.train_fraction, cfg.task.train_limit, cfg.seed)
@@ -390,8 +388,6 @@ def _release_other_precision(mixed_precision: str) -> None:
 
 def evaluate_run(run_dir: str | Path, data_dir: str | None = None) -> dict[str, float]:
     """Rebuild a finished run from its config, plan and tuned weights; evaluate on dev."""
-    from ..tasks import get_task
-
     model, tok, cfg = load_run_model(run_dir)
     task = get_task(cfg.task.name)
     d = data_dir if data_dir is not None else cfg.task.data_dir
@@ -413,14 +409,6 @@ def load_run_model(run_dir: str | Path) -> tuple[torch.nn.Module, Any, Experimen
     weights, so the model computes exactly what the run evaluated. Shared by ``attnlab eval``,
     ``attnlab analyze heads`` and ``attnlab report``.
     """
-    from accelerate.utils import set_seed
-
-    from ..config import load_config
-    from ..hf.plan import Plan
-    from ..hf.surgery import apply_plan
-    from ..tasks import get_task
-    from ..tuning.base import TaskInfo, load_tuned_file, resolve_tuning
-
     run_dir = Path(run_dir)
     weights = run_dir / "tuned.safetensors"
     if not weights.exists():

@@ -28,8 +28,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate.utils import broadcast_object_list
 from safetensors.torch import load_model, save_model
 from tqdm.auto import tqdm
+from transformers.trainer_pt_utils import get_length_grouped_indices
 
 from ..io import atomic_path
 from .checkpoint import TrainerState, list_checkpoints, load_checkpoint, save_checkpoint
@@ -122,8 +124,6 @@ def epoch_batches(n: int, batch_size: int, seed: int, epoch: int, rank: int,
     if lengths is None:
         perm = torch.randperm(n, generator=g).tolist()
     else:
-        from transformers.trainer_pt_utils import get_length_grouped_indices
-
         if len(lengths) != n:
             raise ValueError(f"{len(lengths)} lengths for {n} examples")
         perm = get_length_grouped_indices(list(lengths), batch_size * world, generator=g)
@@ -282,8 +282,6 @@ def _evaluate(parts: LoopParts, settings: LoopSettings, accelerator, model,
         inner.eval()
         with torch.no_grad():
             metrics[0] = parts.evaluate(inner)
-    from accelerate.utils import broadcast_object_list
-
     metrics = broadcast_object_list(metrics)
     result = metrics[0]
     value = result[parts.main_metric]

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from transformers import get_constant_schedule_with_warmup, get_linear_schedule_with_warmup
 
 NO_DECAY = ("bias", "LayerNorm.weight", "layer_norm.weight", "norm.weight")
 
@@ -48,7 +49,9 @@ def param_groups(model: torch.nn.Module, weight_decay: float,
     ``options`` (id(parameter) -> e.g. {"lr": 0.1, "weight_decay": 0.0}) puts those
     parameters in groups of their own; the schedule scales every group's lr alike."""
     options = options or {}
-    decay, no_decay, own = [], [], {}
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
+    own: dict[tuple, list[torch.nn.Parameter]] = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
@@ -65,8 +68,6 @@ def param_groups(model: torch.nn.Module, weight_decay: float,
 def build_optimizer(model: torch.nn.Module, settings: OptimSettings, total: int,
                     options: dict[int, dict] | None = None):
     """(AdamW over the model's trainable parameters, its schedule over ``total`` steps)."""
-    from transformers import get_constant_schedule_with_warmup, get_linear_schedule_with_warmup
-
     groups = param_groups(model, settings.weight_decay, options)
     optimizer = torch.optim.AdamW(groups, lr=settings.lr, betas=settings.betas,
                                   eps=settings.eps, fused=use_fused_adamw(groups, settings.fused))

@@ -30,9 +30,11 @@ import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
+from typing import Any, ClassVar, Literal, Protocol, cast, runtime_checkable
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from attnlab.core import Registry, config_dict, config_spec
@@ -215,9 +217,10 @@ def register_tuner(config_cls: type[TunerConfig]):
         raise TypeError(f"{config_cls.__name__} needs a class-level name")
 
     def deco(cls: type) -> type:
-        cls.name = config_cls.name
-        cls.config_cls = config_cls
-        TUNERS.register(config_cls.name, cls())
+        tuner_cls = cast("type[Tuner]", cls)  # a Tuner once name and config_cls are set
+        tuner_cls.name = config_cls.name
+        tuner_cls.config_cls = config_cls
+        TUNERS.register(config_cls.name, tuner_cls())
         return cls
 
     return deco
@@ -257,7 +260,9 @@ def backbone_of(model: nn.Module) -> nn.Module:
 def unwrap_peft(model: nn.Module) -> nn.Module:
     """The Hugging Face model inside a peft wrapper (the model itself otherwise)."""
     get_base = getattr(type(model), "get_base_model", None)
-    return model.get_base_model() if callable(get_base) else model
+    if callable(get_base):
+        return model.get_base_model()  # type: ignore[operator]  # peft method
+    return model
 
 
 def head_prefixes(model: nn.Module) -> tuple[str, ...]:
@@ -400,8 +405,6 @@ def load_exact(model: nn.Module, state: Mapping[str, torch.Tensor],
 
 def save_tuned(model: nn.Module, tuner: Tuner, path: str | os.PathLike) -> Path:
     """Write only the tuned weights to a safetensors file, atomically (temp file + rename)."""
-    from safetensors.torch import save_file
-
     path = Path(path)
     state = tuner.state_dict_to_save(model)
     record = tuning_record(model)
@@ -414,9 +417,6 @@ def save_tuned(model: nn.Module, tuner: Tuner, path: str | os.PathLike) -> Path:
 
 def load_tuned_file(model: nn.Module, tuner: Tuner, path: str | os.PathLike) -> None:
     """Load a file from ``save_tuned`` into a model the same tuner was applied to."""
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-
     with safe_open(str(path), framework="pt") as f:
         saved = (f.metadata() or {}).get("attnlab_tuner")
     if saved is not None and saved != tuner.name:
