@@ -12,7 +12,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, cast
 
 import typer
 from rich.console import Console
@@ -174,7 +174,8 @@ def _load(config: str | None, overrides: list[str] | None):
     from .config import ConfigError, load_config
 
     if config is not None and "=" in config and not Path(config).exists():
-        config, overrides = None, [config, *(overrides or [])]  # no file: all overrides
+        overrides = [config, *(overrides or [])]  # no file: all overrides
+        config = None
     try:
         return load_config(config, overrides or [])
     except ConfigError as e:
@@ -372,10 +373,11 @@ def params(
     task_type: Annotated[str, typer.Option(help="single, pair or ner")] = "single",
 ) -> None:
     """Trainable-parameter accounting of a tuner on a published architecture (no download)."""
-    from .tuning.accounting import format_params, params_report
+    from .tuning.accounting import ModelConfigName, TaskType, format_params, params_report
 
-    try:
-        report = params_report(model_config, tuning, task_type)
+    try:  # params_report refuses unknown names (ValueError naming the choices)
+        report = params_report(cast(ModelConfigName, model_config), tuning,
+                               cast(TaskType, task_type))
     except (ValueError, KeyError) as e:
         _fail(str(e))
     typer.echo(format_params(report))

@@ -206,7 +206,8 @@ def connections(
         source = rec.ConllSource(split=split, data_dir=data_dir, limit=limit,
                                  max_length=max_length)
         loaded = [rec.load_ner_model(s) for s in specs]  # refuse a bad run before any work
-        results, outs = [], []
+        results: list[rec.ConnectionsResult] = []
+        outs = []
         for k, model in enumerate(loaded):
             if k == 1:  # B reads exactly what A read (A's run defaults included)
                 source = rec.ConllSource(split=split, data_dir=results[0].meta["data_dir"],

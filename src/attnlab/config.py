@@ -120,7 +120,7 @@ def from_dict(cls: type, data: dict[str, Any], where: str = "") -> Any:
             owner = f"config section {where!r}" if where else "the config"
             raise ConfigError(unknown_parameter(key, owner, names))
         tp = hints[key]
-        if dataclasses.is_dataclass(tp):
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             kwargs[key] = from_dict(tp, val or {}, path)
         else:
             try:

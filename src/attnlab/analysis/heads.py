@@ -29,7 +29,7 @@ import dataclasses
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol, cast
 
 import torch
 from torch import Tensor
@@ -77,7 +77,8 @@ class HeadView:
 
     def offset_share(self, offsets: Sequence[int]) -> Tensor:
         """[h]: mean over all n rows of the argmax vote landing on key i + k, k in offsets."""
-        total = sum(torch.diagonal(self.top, k, dim1=-2, dim2=-1).sum(-1) for k in offsets)
+        total = sum((torch.diagonal(self.top, k, dim1=-2, dim2=-1).sum(-1) for k in offsets),
+                    torch.zeros((), dtype=self.p.dtype))
         return total / self.n
 
 
@@ -89,6 +90,7 @@ class HeadScorer(Protocol):
     """
 
     name: ClassVar[str]
+    __dataclass_fields__: ClassVar[dict[str, Any]]  # a dataclass (dataclasses.fields works)
 
     def __call__(self, view: HeadView) -> Tensor | None: ...
 
@@ -98,9 +100,10 @@ SCORERS: Registry[type] = Registry("head scorer", example="vertical_pasta(cutoff
 
 def register_scorer(cls: type) -> type:
     """Class decorator: register a frozen scorer dataclass under its ``name``."""
-    if not dataclasses.is_dataclass(cls) or not getattr(cls, "name", ""):
+    name = getattr(cls, "name", "")
+    if not dataclasses.is_dataclass(cls) or not name:
         raise TypeError(f"{cls.__name__} must be a dataclass with a class-level name")
-    SCORERS.register(cls.name, cls)
+    SCORERS.register(name, cls)
     return cls
 
 
@@ -177,6 +180,7 @@ class Block:
         info = view.info
         if not info.is_pair:
             return None
+        assert info.segment is not None  # is_pair implies a segment
         same = info.segment[:, None] == info.segment[None, :]  # [n, n] query i, key j
         target = (same & ~info.special[None, :]).to(view.p.dtype)  # [n, n]
         return (view.top * target).sum(-1).mean(-1)
@@ -262,7 +266,8 @@ def scorer_label(scorer: HeadScorer) -> str:
 
 # ----------------------------------------------------------------------------- accumulation
 
-Maps = Tensor | Sequence[Tensor] | Mapping[int, Tensor]
+# [L, b, h, n, n], or per layer [b, h, n, n] (None: the layer has no maps, as captured)
+Maps = Tensor | Sequence[Tensor | None] | Mapping[int, Tensor | None]
 
 
 def layer_list(maps: Maps) -> list[Tensor | None]:
@@ -493,7 +498,11 @@ def analyze_heads(
     yields ``(maps, infos)`` pairs when ``infos`` is None. Each batch's maps are dropped
     after use, so a whole dev set fits in the memory of one batch."""
     acc = HeadScoreAccumulator(scorers)
-    pairs = maps if infos is None else zip(maps, infos, strict=True)
+    pairs: Iterable[tuple[Maps, Sequence[TokenInfo]]]
+    if infos is None:  # maps yields (maps, infos) pairs: the signature's second form
+        pairs = cast(Iterable[tuple[Maps, Sequence[TokenInfo]]], maps)
+    else:  # maps yields maps: the first form
+        pairs = zip(cast(Iterable[Maps], maps), infos, strict=True)
     for batch_maps, batch_infos in pairs:
         acc.update(batch_maps, batch_infos)
     scores = acc.result()

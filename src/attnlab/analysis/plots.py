@@ -13,7 +13,7 @@ import io
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from matplotlib import colormaps
@@ -119,7 +119,8 @@ def _draw_classes(ax: Any, idx: np.ndarray, *, letters: bool = True) -> None:
     _grid_axes(ax, *idx.shape)
 
 
-def _class_legend(fig: Figure, loc: str, names: Sequence[str],
+def _class_legend(fig: Figure, loc: Literal["outside right upper", "outside lower center"],
+                  names: Sequence[str],
                   extra: Sequence[Patch] = ()) -> None:
     handles = [
         Patch(facecolor=CLASS_COLORS[c], edgecolor="black", label=f"{CLASS_ABBREV[c]} {c}")

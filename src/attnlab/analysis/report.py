@@ -223,7 +223,9 @@ def _history_data(history: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
 
 def _template(name: str) -> str:
-    return resources.files("attnlab.analysis").joinpath("templates", name).read_text("utf-8")
+    # one part per joinpath: Traversable.joinpath takes a single child before Python 3.11
+    return resources.files("attnlab.analysis").joinpath("templates").joinpath(name).read_text(
+        "utf-8")
 
 
 def _script_json(obj: Any) -> str:
@@ -293,10 +295,11 @@ def example_maps(
     batch_shape(layers)
     if any(x is None for x in layers):
         raise ValueError("example_maps needs maps for every layer; some layers are None")
+    full = [x for x in layers if x is not None]  # every layer (checked above)
     out = []
     for i, info in enumerate(infos[:limit]):
-        keep = info.keep.to(layers[0].device)
-        crop = [x[i].index_select(-2, keep).index_select(-1, keep) for x in layers]
+        keep = info.keep.to(full[0].device)
+        crop = [x[i].index_select(-2, keep).index_select(-1, keep) for x in full]
         toks = list(info.tokens) if info.tokens else [str(k) for k in range(info.length)]
         out.append({"tokens": toks, "maps": torch.stack(crop).detach().float().cpu()})
     return out

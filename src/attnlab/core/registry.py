@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar, cast
 
-from .protocol import HeadDims, MechanismConfig
+from torch import nn
+
+from .protocol import Capabilities, HeadDims, MechanismConfig
 from .spec import RegistryError, build_config, split_spec, unknown_name
 
 T = TypeVar("T")
@@ -48,11 +50,13 @@ class Registry(Generic[T]):
         registered thing (its ``config_cls``, or the thing itself when it is a config
         dataclass, like a head scorer), every parameter checked."""
         if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
-            self.get(spec.name)  # a config of something registered here
+            self.get(cast(Any, spec).name)  # a config of something registered here (all
+            # registered configs carry a class-level name; DataclassInstance does not say so)
             return spec
         name, kwargs = split_spec(spec, self.kind, self.example)
         item = self.get(name)
-        config_cls = getattr(item, "config_cls", item)
+        # things registered here carry a config_cls, or are the config class themselves
+        config_cls = cast(type, getattr(item, "config_cls", item))
         return build_config(config_cls, kwargs, f"{self.kind} {name!r}")
 
     def names(self) -> list[str]:
@@ -68,7 +72,20 @@ class Registry(Generic[T]):
         return len(self._items)
 
 
-MECHANISMS: Registry[type] = Registry("mechanism", example="band(window=64)")
+class MechanismClass(Protocol):
+    """What the registry knows of a registered mechanism class: its class-level declarations
+    (``caps``, ``example``, and ``config_cls`` set by :func:`register_mechanism`), and that
+    ``Cls(cfg, dims)`` builds the module."""
+
+    __name__: str
+    caps: Capabilities
+    example: str
+    config_cls: type[MechanismConfig]
+
+    def __call__(self, cfg: MechanismConfig, dims: HeadDims) -> nn.Module: ...
+
+
+MECHANISMS: Registry[MechanismClass] = Registry("mechanism", example="band(window=64)")
 
 
 def register_mechanism(config_cls: type[MechanismConfig]) -> Callable[[type], type]:
@@ -84,8 +101,9 @@ def register_mechanism(config_cls: type[MechanismConfig]) -> Callable[[type], ty
     def deco(cls: type) -> type:
         if not hasattr(cls, "caps"):
             raise TypeError(f"{cls.__name__} must declare caps: ClassVar[Capabilities]")
-        cls.config_cls = config_cls
-        MECHANISMS.register(config_cls.name, cls)
+        mech_cls = cast(MechanismClass, cls)  # caps checked above, config_cls set here
+        mech_cls.config_cls = config_cls
+        MECHANISMS.register(config_cls.name, mech_cls)
         return cls
 
     return deco
@@ -96,7 +114,7 @@ def list_mechanisms() -> list[str]:
     return MECHANISMS.names()
 
 
-def mechanism_class(name: str) -> type:
+def mechanism_class(name: str) -> MechanismClass:
     return MECHANISMS.get(name)
 
 

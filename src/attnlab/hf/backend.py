@@ -21,14 +21,14 @@ import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from ..core import AttnContext, HeadDims, build_mechanism
+from ..core import AttnContext, HeadDims, Mechanism, build_mechanism
 from .fused import LOCAL_PATTERN, local_pattern, run_mechanism
 from .prefix import extend_kv
 
@@ -64,7 +64,7 @@ class ForwardState:
         return {}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__()
+        self.reset()
 
     def add_aux(self, loss: torch.Tensor) -> None:
         self.aux_loss = loss if self.aux_loss is None else self.aux_loss + loss
@@ -108,6 +108,8 @@ class AttnlabLayer(nn.Module):
     shrank the projections). Outputs are concatenated and put back in head order.
     """
 
+    inverse: torch.Tensor  # buffer registered in __init__
+
     def __init__(
         self,
         layer_idx: int,
@@ -132,20 +134,24 @@ class AttnlabLayer(nn.Module):
         order = torch.tensor([h for heads in self.heads for h in heads])
         self.register_buffer("inverse", torch.argsort(order), persistent=False)
 
+    def _mechs(self) -> list[Mechanism]:
+        """The mechanism modules of ``mechanisms``, in group order."""
+        return cast("list[Mechanism]", list(self.mechanisms))  # built by build_mechanism
+
     def names(self) -> list[str]:
-        return [m.cfg.name for m in self.mechanisms]
+        return [m.cfg.name for m in self._mechs()]
 
     def head_table(self) -> list[str]:
         """Mechanism spec of every head, in head order."""
         out = [""] * self.num_heads
-        for heads, mech in zip(self.heads, self.mechanisms, strict=True):
+        for heads, mech in zip(self.heads, self._mechs(), strict=True):
             for h in heads:
                 out[h] = mech.cfg.spec()
         return out
 
     def extra_repr(self) -> str:
         groups = ", ".join(f"{m.cfg.name}@{list(h)}" for h, m in zip(self.heads,
-                                                                       self.mechanisms,
+                                                                       self._mechs(),
                                                                        strict=True))
         return f"layer_idx={self.layer_idx}, groups=[{groups}]"
 
@@ -156,7 +162,7 @@ class AttnlabLayer(nn.Module):
         names of the mechanisms that gave no probabilities)."""
         m = k.shape[2]
         outs, probs, missing = [], [], []
-        for i, mech in enumerate(self.mechanisms):
+        for i, mech in enumerate(self._mechs()):
             max_len = mech.dims.max_len
             if mech.caps.needs_max_len and max_len is not None and m > max_len:
                 raise ValueError(
@@ -266,7 +272,7 @@ def key_mask_from_hf(mask: torch.Tensor | None, b: int, m: int) -> torch.Tensor 
 
 
 @functools.lru_cache(maxsize=64)
-def _plain_softmax(num_heads: int, head_dim: int) -> nn.Module:
+def _plain_softmax(num_heads: int, head_dim: int) -> Mechanism:
     return build_mechanism("softmax", HeadDims(num_heads, head_dim))
 
 

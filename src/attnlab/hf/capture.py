@@ -111,13 +111,13 @@ def capture_attention(
     switched = previous != BACKEND
     try:
         if switched:
-            model.set_attn_implementation(BACKEND)
+            model.set_attn_implementation(BACKEND)  # type: ignore[operator]  # HF method
         model.eval()
         with torch.no_grad(), recording() as rec:
             model(**inputs)
     finally:
         if switched:
-            model.set_attn_implementation(previous)
+            model.set_attn_implementation(previous)  # type: ignore[operator]  # HF method
         model.train(was_training)
 
     probs: dict[int, torch.Tensor | None] = {}

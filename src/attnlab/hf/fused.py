@@ -50,14 +50,14 @@ from __future__ import annotations
 import functools
 import inspect
 import warnings
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, TypeGuard
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..core import AttnContext, AttnOutput, causal_mask, reference_attention
+from ..core import AttnContext, AttnOutput, Mechanism, causal_mask, reference_attention
 
 # Attribute names of fused Q/K/V projections (ModernBERT: Wqkv; Phi-3 style: qkv_proj).
 FUSED_NAMES = ("Wqkv", "qkv_proj")
@@ -101,23 +101,30 @@ def local_pattern(mask: torch.Tensor | None, sliding_window: int | None,
     return allowed
 
 
-def windowable(mech: nn.Module) -> bool:
+class PatternMechanism(Mechanism, Protocol):
+    """A mechanism module with ``bias(n, m)`` (or ``bias(n, m, layer_idx=...)``)."""
+
+    training: bool
+    bias: Callable[..., torch.Tensor]
+
+
+def windowable(mech: Mechanism) -> TypeGuard[PatternMechanism]:
     """Softmax over a pattern: ``caps.exact`` and a ``bias(n, m)`` to intersect."""
     return bool(mech.caps.exact) and callable(getattr(mech, "bias", None))
 
 
 @functools.cache
-def _bias_takes_layer(cls: type) -> bool:
+def _bias_takes_layer(cls: type[PatternMechanism]) -> bool:
     return "layer_idx" in inspect.signature(cls.bias).parameters
 
 
-def _mechanism_bias(mech: nn.Module, n: int, m: int, layer_idx: int) -> torch.Tensor:
+def _mechanism_bias(mech: PatternMechanism, n: int, m: int, layer_idx: int) -> torch.Tensor:
     if _bias_takes_layer(type(mech)):
         return mech.bias(n, m, layer_idx=layer_idx)
     return mech.bias(n, m)
 
 
-def windowed_attention(mech: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def windowed_attention(mech: PatternMechanism, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        ctx: AttnContext, pattern: torch.Tensor) -> AttnOutput:
     """Softmax over ``mech.bias`` AND ``pattern`` AND ``ctx.key_mask`` (and ``ctx.causal``).
 
@@ -161,7 +168,7 @@ def _warn_unwindowed(name: str) -> None:
     )
 
 
-def run_mechanism(mech: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def run_mechanism(mech: Mechanism, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   ctx: AttnContext) -> AttnOutput:
     """``mech(q, k, v, ctx)``, with a local layer's window applied as the module doc says."""
     pattern = ctx.extras.get(LOCAL_PATTERN)

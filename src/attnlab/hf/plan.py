@@ -175,7 +175,9 @@ def _rule_from_mapping(raw: Mapping[str, Any], pos: int) -> Rule:
 
 def _split_top(text: str, sep: str, maxsplit: int = -1) -> list[str]:
     """Split on ``sep`` outside brackets and quotes (specs contain commas, colons in strings)."""
-    parts, depth, quote, cur = [], 0, "", []
+    parts: list[str] = []
+    cur: list[str] = []
+    depth, quote = 0, ""
     for ch in text:
         if quote:
             quote = "" if ch == quote else quote
@@ -277,7 +279,7 @@ class Plan:
         Raises :class:`PlanError` naming the rule when an index is out of range.
         """
         softmax = resolve_config(SOFTMAX)
-        table = {
+        table: dict[int, dict[int, tuple[MechanismConfig, int | None]]] = {
             layer: {head: (softmax, None) for head in range(num_heads)}
             for layer in range(num_layers)
         }

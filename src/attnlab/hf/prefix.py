@@ -134,5 +134,6 @@ def install_prefix(host: Host, length: int, mid: int | None, shift_positions: bo
     for layer, attn in enumerate(host.attention):
         setattr(attn, PREFIX_ATTR, PrefixRef(encoder, layer))
     if shift_positions:
+        assert embeddings is not None and arg is not None  # arg None raised above
         embeddings.register_forward_pre_hook(_shift_hook(length, arg), with_kwargs=True)
     return encoder

@@ -45,7 +45,7 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, tokenizer: Any = 
     """
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
+    model.save_pretrained(out)  # type: ignore[operator]  # HF method, nn.Module-typed model
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
     report = applied_report(model)
@@ -103,6 +103,7 @@ def load_pretrained(path: str | os.PathLike, auto_class: Any = None) -> nn.Modul
         raise FileNotFoundError(f"{folder} has no config.json; is it a saved model folder?")
     config = AutoConfig.from_pretrained(folder, local_files_only=True)
     cls = _auto_class(config, auto_class)
+    model: nn.Module
     if isinstance(cls, type) and issubclass(cls, PreTrainedModel):
         model = cls(config)
     else:  # an Auto class

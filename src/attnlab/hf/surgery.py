@@ -276,7 +276,7 @@ def switch_to_attnlab(model: nn.Module, host: Host) -> None:
     register_backend()
     _own_config(model)
     if hasattr(model, "set_attn_implementation"):
-        model.set_attn_implementation(BACKEND)
+        model.set_attn_implementation(BACKEND)  # type: ignore[operator]  # HF method
     else:
         host.base.set_attn_implementation(BACKEND)
 

@@ -369,12 +369,12 @@ def _list_and_count(flat_perm, sizes, perm_start, row_start, span) -> torch.Tens
     """
     if _NUMPY_ON_CPU and flat_perm.device.type == "cpu":
         sz, fp = sizes.numpy(), flat_perm.numpy()
-        first = np.cumsum(sz) - sz  # entry offset of each owner
-        pos = np.repeat(perm_start.numpy() - first, sz)
-        pos += np.arange(pos.size)  # flat_perm index of each listed entry
-        idx = np.repeat(row_start.numpy(), sz)
-        idx += np.take(fp, pos)  # + j
-        return torch.from_numpy(np.bincount(idx, minlength=span).astype(np.int32))
+        first_np = np.cumsum(sz) - sz  # entry offset of each owner
+        pos_np = np.repeat(perm_start.numpy() - first_np, sz)
+        pos_np += np.arange(pos_np.size)  # flat_perm index of each listed entry
+        idx_np = np.repeat(row_start.numpy(), sz)
+        idx_np += np.take(fp, pos_np)  # + j
+        return torch.from_numpy(np.bincount(idx_np, minlength=span).astype(np.int32))
     total = int(sizes.sum())
     first = sizes.cumsum(0) - sizes
     pos = torch.repeat_interleave(perm_start - first, sizes, output_size=total)

@@ -94,6 +94,7 @@ class Linformer(nn.Module):
 
     def reset_parameters(self) -> None:
         """Xavier-uniform, gain 1/sqrt(2), per [k, N] matrix (fairseq's Linformer init)."""
+        assert self.dims.max_len is not None  # __init__ refuses dims without max_len
         bound = math.sqrt(6.0 / (self.cfg.k + self.dims.max_len)) / math.sqrt(2.0)
         with torch.no_grad():
             self.E.uniform_(-bound, bound)

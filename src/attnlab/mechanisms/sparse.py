@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, Protocol
 
 import torch
 from torch import nn
@@ -54,7 +54,19 @@ FastPath = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttnContext, floa
                     torch.Tensor]
 
 
-def _run(mech: nn.Module, q, k, v, ctx: AttnContext, fast: FastPath | None) -> AttnOutput:
+class _Pattern(Protocol):
+    """What :func:`_run` reads off a pattern mechanism (an ``nn.Module`` of this file)."""
+
+    @property
+    def cfg(self) -> MechanismConfig: ...
+    @property
+    def dims(self) -> HeadDims: ...
+    @property
+    def training(self) -> bool: ...
+    def bias(self, n: int, m: int, layer_idx: int = 0) -> torch.Tensor: ...
+
+
+def _run(mech: _Pattern, q, k, v, ctx: AttnContext, fast: FastPath | None) -> AttnOutput:
     """Shared forward: FlexAttention on CUDA, else the blocked fast path when it applies,
     else dense masked softmax over ``bias`` (the reference itself)."""
     check_qkv(q, k, v, mech.dims)

@@ -157,7 +157,7 @@ def _capturable(model: torch.nn.Module) -> torch.nn.Module:
     except UnsupportedModelError:
         if not callable(getattr(model, "merge_and_unload", None)):
             raise
-        return model.merge_and_unload().eval()
+        return model.merge_and_unload().eval()  # type: ignore[operator]  # HF method
     return model
 
 

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 import yaml
@@ -99,7 +99,8 @@ def expand(base: ExperimentConfig, vary: list[tuple[str, list[str]]], seeds: int
            ) -> list[tuple[str, list[ExperimentConfig]]]:
     """One (label, [config per seed]) per combination of varied values."""
     combos = list(itertools.product(*[vals for _, vals in vary])) if vary else [()]
-    out, seen = [], {}
+    out: list[tuple[str, list[ExperimentConfig]]] = []
+    seen: dict[str, str] = {}
     for combo in combos:
         data = to_dict(base)
         label_parts = []
@@ -123,7 +124,7 @@ def expand(base: ExperimentConfig, vary: list[tuple[str, list[str]]], seeds: int
     return out
 
 
-def has_value(v: float | None) -> bool:
+def has_value(v: float | None) -> TypeGuard[float]:
     """A seed's metric counts when it exists and is not NaN (e.g. the Spearman of a
     constant prediction)."""
     return v is not None and not math.isnan(v)

@@ -135,7 +135,7 @@ def seed_plot(
     ax.set_xlabel(metric_axis_label(metric, task, unit), fontsize=FONT + 1)
     ax.margins(x=0.08)
     ax.grid(axis="x", alpha=0.3)
-    ax.set_title(title or _where(task, model) or None, fontsize=FONT + 1)
+    ax.set_title(title or _where(task, model) or "", fontsize=FONT + 1)  # "" = no title
     fig.legend(handles=_legend_handles(), fontsize=FONT - 1, loc="outside lower center",
                ncols=2, frameon=False)
     return fig

@@ -18,7 +18,7 @@ import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from accelerate import Accelerator
@@ -43,13 +43,13 @@ from ..train.loop import LoopParts, LoopSettings, fit, plan_steps
 from ..train.memory import peak_rss_mb, reset_peak_rss
 from ..train.optim import OptimSettings, build_optimizer
 from ..tuning.accounting import count_parameters
-from ..tuning.base import TaskInfo, load_tuned_file, resolve_tuning, save_tuned
+from ..tuning.base import TaskInfo, TaskKind, load_tuned_file, resolve_tuning, save_tuned
 from .preflight import preflight
 from .rundir import now, provenance, prune_finished
 from .summary import RunSummary, write_summary
 
 
-def task_kind(task) -> str:
+def task_kind(task) -> TaskKind:
     """Input layout for tuners: single / pair / ner / qa / other."""
     if task.head == "token-classification":
         return "ner"
@@ -101,6 +101,8 @@ def make_evaluator(task, splits: dict[str, tuple[list, list]], tokenizer, seed: 
     classify = (task.head == "sequence-classification"
                 and getattr(task, "problem_type", None) == "single_label_classification")
 
+    one_class_log: list[bool] = []  # evaluate.one_class: one entry per evaluation
+
     def evaluate(model: torch.nn.Module) -> dict[str, float]:
         device = next(model.parameters()).device
         result: dict[str, float] = {}
@@ -119,10 +121,10 @@ def make_evaluator(task, splits: dict[str, tuple[list, list]], tokenizer, seed: 
                 result.update(metrics)
             else:
                 result.update({f"{split}/{k}": v for k, v in metrics.items()})
-        evaluate.one_class.append(one_class)
+        one_class_log.append(one_class)
         return result
 
-    evaluate.one_class = []
+    evaluate.one_class = one_class_log  # type: ignore[attr-defined]  # read by the runner
     return evaluate
 
 
@@ -235,7 +237,7 @@ class _Run:
         """The mechanisms' regularisers plus the tuner's (Diff-Prune's L0), or None."""
         extra = [x for x in (mechanism_aux_loss(model), self.tuner.aux_loss(model))
                  if x is not None]
-        return sum(extra) if extra else None
+        return cast(torch.Tensor, sum(extra)) if extra else None  # non-empty: a Tensor
 
 
 def _prepare(cfg: ExperimentConfig, accelerator) -> _Run:
@@ -281,6 +283,8 @@ def loop_settings(cfg: ExperimentConfig) -> LoopSettings:
 
 def optim_settings(cfg: ExperimentConfig) -> OptimSettings:
     o = with_optim_defaults(cfg).optim
+    # with_optim_defaults fills every None of these
+    assert o.lr is not None and o.weight_decay is not None and o.warmup_ratio is not None
     return OptimSettings(lr=float(o.lr), weight_decay=float(o.weight_decay),
                          warmup_ratio=float(o.warmup_ratio), schedule=str(o.schedule),
                          betas=o.betas, eps=o.eps, fused=o.fused)
@@ -344,20 +348,22 @@ def _finalize(cfg: ExperimentConfig, run: _Run, state: TrainerState, accelerator
 
 def _summary(cfg: ExperimentConfig, run: _Run, state: TrainerState, end: _End,
              num_processes: int, started: str) -> RunSummary:
-    best = next((e["eval"] for e in state.evals if e["step"] == state.best_step), {})
+    best: dict[str, float] = next(
+        (e["eval"] for e in state.evals if e["step"] == state.best_step), {})
     masked_steps = end.masked.step if end.masked is not None else 0
     seconds = state.train_seconds + (end.masked.train_seconds if end.masked else 0.0)
-    finalized = end.finalized is not None
+    final = end.finalized
+    finalized = final is not None
     return RunSummary(
         name=cfg.name, task=run.task.name, seed=cfg.seed,
         status="interrupted" if end.interrupted else "finished",
         plan=run.plan.to_list() if run.plan else [], tuning=run.tuner_cfg.spec(),
         main_metric=run.main_metric, greater_is_better=run.task.greater_is_better,
-        best_metric=(end.finalized.get(run.main_metric, state.best_metric) if finalized
+        best_metric=(final.get(run.main_metric, state.best_metric) if final is not None
                      else state.best_metric),
         best_step=(state.best_step if end.masked is None
                    else state.step + (end.masked.best_step or 0)),
-        best_eval=end.finalized if finalized else best,
+        best_eval=final if final is not None else best,
         before_finalize=({"best_metric": state.best_metric, "best_eval": best}
                          if finalized else None),
         pruned_eval=end.pruned, masked_steps=masked_steps if end.masked else None,

@@ -17,6 +17,7 @@ small set needs a few passes before the MCC moves).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from ..config import ExperimentConfig, load_config
 
@@ -29,7 +30,7 @@ def quickstart_config(data_dir: str | None = None, overrides: list[str] | None =
     if data_dir is None:
         data_dir = str(SHARED_DATA) if (SHARED_DATA / "glue" / "CoLA").is_dir() else "builtin"
     builtin = data_dir == "builtin"
-    base = {
+    base: dict[str, Any] = {
         "name": "quickstart",
         "model": {"name": "default", "max_length": 64},
         "task": {"name": "cola", "data_dir": data_dir},

@@ -91,19 +91,29 @@ class Task(Protocol):
     main_metric / greater_is_better: for model selection and ``attnlab compare``.
     splits: the split names ``load`` accepts.  train_split / eval_splits: the defaults a
     runner uses (MNLI evaluates matched and mismatched; the runner prefixes each metric with
-    its split name).
+    its split name). All read-only (properties here), as fields of a frozen dataclass are.
     """
 
-    name: str
-    head: HeadType
-    num_labels: int
-    problem_type: ProblemType | None
-    label_names: tuple[str, ...]
-    main_metric: str
-    greater_is_better: bool
-    splits: tuple[str, ...]
-    train_split: str
-    eval_splits: tuple[str, ...]
+    @property
+    def name(self) -> str: ...
+    @property
+    def head(self) -> HeadType: ...
+    @property
+    def num_labels(self) -> int: ...
+    @property
+    def problem_type(self) -> ProblemType | None: ...
+    @property
+    def label_names(self) -> tuple[str, ...]: ...
+    @property
+    def main_metric(self) -> str: ...
+    @property
+    def greater_is_better(self) -> bool: ...
+    @property
+    def splits(self) -> tuple[str, ...]: ...
+    @property
+    def train_split(self) -> str: ...
+    @property
+    def eval_splits(self) -> tuple[str, ...]: ...
 
     def load(self, split: str, data_dir: str | Path | None = None) -> list[Any]: ...
 

@@ -111,6 +111,7 @@ class GlueTask:
     def read_tsv(self, path: Path, split: str) -> list[GlueExample]:
         """Parse one GLUE TSV; any malformed row raises DataFormatError(path, line)."""
         lines = read_lines(path)
+        header: tuple[str, ...]
         if split in self.headerless:
             header = COLA_COLUMNS
         else:

@@ -160,7 +160,7 @@ class MlmTask:
         special = set(tokenizer.all_special_ids)
         with_types = "token_type_ids" in tokenizer.model_input_names
         block = max_length - 2
-        feats = []
+        feats: list[Feature] = []
         for k in range(0, len(stream), block):
             ids = [cls, *stream[k:k + block], sep]
             f: Feature = {"input_ids": ids, "attention_mask": [1] * len(ids),
@@ -225,7 +225,7 @@ class SeededMasking:
     def __call__(self, features: list[Feature]) -> dict:
         blocks = ",".join(str(f.get("block_index", -1)) for f in features)
         digest = hashlib.sha256(f"mlm:{self.seed}:{blocks}".encode()).digest()
-        self.collate.inner.generator = torch.Generator().manual_seed(
-            int.from_bytes(digest[:8], "big") >> 1)
+        inner: Any = self.collate.inner  # a DataCollatorForLanguageModeling
+        inner.generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "big") >> 1)
         return self.collate(features)
 

@@ -115,7 +115,9 @@ def build(rng: random.Random) -> Clause:
     kind = rng.choices(["trans", "intrans", "put"], weights=[6, 3, 1])[0]
     verb = {"trans": lambda: rng.choice(OBLIG_TRANS), "intrans": lambda: rng.choice(INTRANS),
             "put": lambda: PUT}[kind]()
-    obj = loc = adjunct = ()
+    obj: tuple[str, ...] = ()
+    loc: tuple[str, ...] = ()
+    adjunct: tuple[str, ...] = ()
     if kind != "intrans":
         obj = tuple(_np(rng, THINGS, THING_ADJ, rng.random() < 0.3,
                         ["the", "a", "my", "her", "his", "this"], ["the", "some", "two", "her"]))
@@ -125,7 +127,8 @@ def build(rng: random.Random) -> Clause:
         adjunct = tuple(rng.choice(ADJUNCTS).split())
     frame = rng.choice(FRAMES)
     noun = rng.choice(PEOPLE)
-    rel, rel_plural = (), False
+    rel: tuple[str, ...] = ()
+    rel_plural = False
     if frame == "relative":
         rel_plural = not plural  # the attractor differs in number from the head noun
         rverb = rng.choice(OBLIG_TRANS)
@@ -228,7 +231,7 @@ def generate(n: int, seed: int = 0, p_ok: float = 0.55) -> list[tuple[str, int, 
     """``n`` distinct ``(source, label, sentence)`` items, deterministic for ``seed``."""
     rng = random.Random(seed)
     seen: set[str] = set()
-    out = []
+    out: list[tuple[str, int, str]] = []
     while len(out) < n:
         c = build(rng)
         words, label, kind = sentence(c), 1, "ok"

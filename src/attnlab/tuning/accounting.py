@@ -101,7 +101,8 @@ def build_published(model_config: str, task_type: TaskType = "single",
                          f"{', '.join(_NUM_LABELS)}")
     family, kwargs, _ = PUBLISHED_CONFIGS[model_config]
     config_cls = BertConfig if family == "bert" else RobertaConfig
-    cfg = config_cls(**kwargs, num_labels=_NUM_LABELS[task_type])
+    # num_labels: a PreTrainedConfig keyword that the @strict dataclass signature omits
+    cfg = config_cls(**kwargs, num_labels=_NUM_LABELS[task_type])  # type: ignore[call-arg]
     classes = {
         ("bert", False): BertForSequenceClassification,
         ("bert", True): BertForTokenClassification,

@@ -25,7 +25,7 @@ AdapterHub's Houlsby implementation (the paper does not say where dropout goes).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -92,15 +92,14 @@ class DropoutThenAdapter(nn.Module):
 
 def _sublayer_outputs(layer: nn.Module) -> list[nn.Module]:
     """The attention-output and feed-forward-output modules of a BERT-style layer."""
-    found = []
+    found: list[nn.Module] = []
     for path in ("attention.output", "output"):
         mod: object = layer
         for part in path.split("."):
             mod = getattr(mod, part, None)
-        ok = isinstance(mod, nn.Module) and all(
+        if not (isinstance(mod, nn.Module) and all(
             isinstance(getattr(mod, a, None), nn.Module) for a in ("dense", "dropout", "LayerNorm")
-        )
-        if not ok:
+        )):
             raise TypeError(
                 f"adapters need BERT-style layers ({type(layer).__name__} has no {path} with "
                 "dense, dropout and LayerNorm); supported: BERT, RoBERTa, ELECTRA and kin"
@@ -116,7 +115,8 @@ class AdapterTuner(RequiresGradTuner):
     def apply(self, model: nn.Module, cfg: AdapterConfig, task: TaskInfo | None = None
               ) -> nn.Module:
         record = start_tuning(model, cfg)
-        d = int(model.config.hidden_size)
+        config: Any = model.config  # the Hugging Face config
+        d = int(config.hidden_size)
         m = cfg.size or max(1, d // cfg.reduction)
         ref = next(model.parameters())
         new: list[nn.Module] = []
@@ -126,7 +126,9 @@ class AdapterTuner(RequiresGradTuner):
                     raise ValueError("this model already has adapters")
                 adapter = Adapter(d, m, cfg.nonlinearity, cfg.init_std).to(
                     device=ref.device, dtype=ref.dtype)
-                sub.dropout = DropoutThenAdapter(sub.dropout, adapter)
+                dropout = sub.dropout
+                assert isinstance(dropout, nn.Module)  # checked by _sublayer_outputs
+                sub.dropout = DropoutThenAdapter(dropout, adapter)
                 new.append(adapter)
         adapter_params = {id(p) for a in new for p in a.parameters()}
         layer_norm_params = {

@@ -191,6 +191,7 @@ def diff_modules(model: nn.Module) -> dict[str, DiffParametrization]:
         if not isinstance(plist, nn.ModuleDict):
             continue
         for pname, chain in plist.items():
+            assert isinstance(chain, nn.ModuleList)  # torch's ParametrizationList
             for p in chain:
                 if isinstance(p, DiffParametrization):
                     out[f"{mod_name}.{pname}" if mod_name else pname] = p

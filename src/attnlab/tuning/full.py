@@ -36,5 +36,5 @@ class FullTuner(RequiresGradTuner):
         record = start_tuning(model, cfg)
         model.requires_grad_(True)
         if cfg.freeze_embeddings:
-            model.get_input_embeddings().requires_grad_(False)
+            model.get_input_embeddings().requires_grad_(False)  # type: ignore[operator]  # HF method
         return finish_tuning(model, record)

@@ -97,9 +97,10 @@ class PastaVectors(nn.Module):
     def __init__(self, num_layers: int, n: int, d: int, special_ids: tuple[int, ...],
                  pad_id: int | None, p: float, init_std: float) -> None:
         super().__init__()
-        self.vectors = nn.ModuleList(nn.Embedding(n, d) for _ in range(num_layers))
-        for table in self.vectors:
+        tables = [nn.Embedding(n, d) for _ in range(num_layers)]
+        for table in tables:
             nn.init.normal_(table.weight, mean=0.0, std=init_std)
+        self.vectors = nn.ModuleList(tables)
         self.dropout = nn.Dropout(p)
         self.num_special = n
         self.special_ids = tuple(special_ids)
@@ -209,7 +210,8 @@ class PastaTuner(RequiresGradTuner):
             )
         backbone = backbone_of(model)
         layers = encoder_layers(model)
-        hidden = int(model.config.hidden_size)
+        config: Any = model.config  # the Hugging Face config
+        hidden = int(config.hidden_size)
         pasta = PastaVectors(len(layers), n, hidden, tuple(special), pad, cfg.dropout,
                              cfg.init_std)
         ref = next(backbone.parameters(), None)
