@@ -37,11 +37,17 @@ from ..core import (
 )
 from ..core.masks import (
     band_pattern,
+    bigbird_layout,
+    bigbird_random_blocks,
     block_layout_to_pattern,
     block_local_pattern,
     dilated_pattern,
+    fixed_pattern,
     global_pattern,
     positions,
+    random_pattern,
+    star_pattern,
+    strided_pattern,
 )
 from . import _blocksparse as bs
 from . import _flex
@@ -100,75 +106,6 @@ def _run(mech: _Pattern, q, k, v, ctx: AttnContext, fast: FastPath | None) -> At
 def _check(cond: bool, msg: str) -> None:
     if not cond:
         raise ValueError(msg)
-
-
-def _generator(seed: int, layer_idx: int, n: int) -> torch.Generator:
-    """CPU generator seeded by (seed, layer_idx, n): the same pattern in train and eval."""
-    mixed = ((seed * 1_000_003 + layer_idx) * 1_000_033 + n) % (2**63 - 1)
-    return torch.Generator().manual_seed(mixed)
-
-
-# ------------------------------------------------------------------------ pattern builders
-
-
-def random_pattern(n: int, m: int, num_random: int, seed: int, layer_idx: int) -> torch.Tensor:
-    """[n, m] bool: j == i, or j among ``num_random`` distinct keys drawn for query i."""
-    i, j = positions(n, m)
-    allowed = i == j
-    r = min(num_random, m)
-    if r > 0:
-        draws = torch.rand(n, m, generator=_generator(seed, layer_idx, n)).topk(r, dim=-1)
-        allowed = allowed.scatter(1, draws.indices, True)
-    return allowed
-
-
-def star_pattern(n: int, m: int, relay: int) -> torch.Tensor:
-    """[n, m] bool: |i - j| <= 1 or i == relay or j == relay."""
-    i, j = positions(n, m)
-    return ((i - j).abs() <= 1) | (i == relay) | (j == relay)
-
-
-def strided_pattern(n: int, m: int, stride: int) -> torch.Tensor:
-    """Sparse Transformer strided: |i - j| < l or (i - j) % l == 0."""
-    i, j = positions(n, m)
-    return ((i - j).abs() < stride) | ((i - j).remainder(stride) == 0)
-
-
-def fixed_pattern(n: int, m: int, stride: int, summary: int) -> torch.Tensor:
-    """Sparse Transformer fixed: i // l == j // l or j % l >= l - c."""
-    i, j = positions(n, m)
-    return (i // stride == j // stride) | (j.remainder(stride) >= stride - summary)
-
-
-def bigbird_random_blocks(
-    nqb: int, nkb: int, window_blocks: int, num_random_blocks: int, global_blocks: int,
-    seed: int, layer_idx: int, n: int,
-) -> torch.Tensor:
-    """[nqb, r] key-block indices (-1 = none left): r distinct random blocks per query block.
-
-    Drawn among the blocks outside the query block's window and outside the global
-    blocks, so no key counts twice; seeded by (seed, layer_idx, n).
-    """
-    r = min(num_random_blocks, nkb)
-    qb = torch.arange(nqb)[:, None]
-    kb = torch.arange(nkb)[None, :]
-    free = ((qb - kb).abs() > window_blocks // 2) & (kb >= global_blocks)  # [nqb,nkb]
-    score = torch.rand(nqb, nkb, generator=_generator(seed, layer_idx, n))
-    score = score.masked_fill(~free, -1.0)
-    top = score.topk(r, dim=-1)
-    return top.indices.masked_fill(top.values < 0, -1)
-
-
-def bigbird_layout(
-    nqb: int, nkb: int, window_blocks: int, global_blocks: int, random_blocks: torch.Tensor
-) -> torch.Tensor:
-    """[nqb, nkb] bool block layout: window, global rows and columns, random blocks."""
-    qb = torch.arange(nqb)[:, None]
-    kb = torch.arange(nkb)[None, :]
-    layout = ((qb - kb).abs() <= window_blocks // 2) | (kb < global_blocks) | (qb < global_blocks)
-    rnd = torch.zeros(nqb, nkb + 1, dtype=torch.bool)
-    rnd.scatter_(1, random_blocks.masked_fill(random_blocks < 0, nkb), True)
-    return layout | rnd[:, :nkb]
 
 
 # ----------------------------------------------------------------------------- mechanisms
