@@ -133,8 +133,11 @@ def test_finite_gradients(name):
     res = mech(q, k, v, ctx(key_mask=key_mask))
     loss = res.out.square().sum() + (res.aux_loss if res.aux_loss is not None else 0.0)
     loss.backward()
-    for t in (q, k, v):
+    read = (q, v) if mech.caps.shared_qk else (q, k, v)  # shared QK: k is not read
+    for t in read:
         assert t.grad is not None and torch.isfinite(t.grad).all()
+    if mech.caps.shared_qk:
+        assert k.grad is None
     for p in mech.parameters():
         if p.requires_grad and p.grad is not None:
             assert torch.isfinite(p.grad).all()

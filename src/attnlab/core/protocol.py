@@ -70,6 +70,8 @@ class Capabilities:
       patterns, length-sized projections, jump graphs. Extra keys that are not tokens
       (prefix tuning's virtual keys) would silently shift the pattern, so tuners that add
       them refuse such plans.
+    shared_qk: the keys are the (normalised) queries, the host's k is not read (Reformer's
+      LSH attention); its K projection then gets no gradient from these heads.
     """
 
     family: str
@@ -82,6 +84,7 @@ class Capabilities:
     complexity: str = "O(n*m)"
     kv_heads: int | None = None
     keys_are_tokens: bool = False
+    shared_qk: bool = False
 
 
 @dataclass

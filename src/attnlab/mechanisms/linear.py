@@ -1,9 +1,17 @@
-"""Linearised attention: a positive feature map replaces the softmax kernel, O(n) in length."""
+"""Linearised attention: a positive feature map replaces the softmax kernel, O(n) in length.
+
+One implementation serves every mechanism here: features phi(q) [b,h,n,r], phi(k) [b,h,m,r]
+(r features), then out_i = phi(q_i)^T S / phi(q_i)^T z with S = sum_j phi(k_j) v_j^T and
+z = sum_j phi(k_j), the sums running over j <= i (prefix sums) when causal. The mechanisms
+differ only in phi: a fixed map (``linear``, ``linear_elu``, ``linear_relu``) or positive
+orthogonal random features (``performer``).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -20,23 +28,71 @@ from ..core import (
     register_mechanism,
 )
 
+FeatureMap = Literal["elu", "relu"]
+
+
+def _check_eps_chunk(eps: float, chunk: int) -> None:
+    if not eps > 0:
+        raise ValueError(f"eps must be > 0 (it keeps empty rows finite), got {eps}")
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+
 
 @dataclass(frozen=True, kw_only=True)
-class LinearEluConfig(MechanismConfig):
-    name: ClassVar[str] = "linear_elu"
+class LinearConfig(MechanismConfig):
+    name: ClassVar[str] = "linear"
+    feature_map: FeatureMap = "elu"  # phi: "elu" = elu(x) + 1 (the paper's), "relu" = relu(x)
     eps: float = 1e-6  # epsilon: added to the normaliser phi(q_i)^T sum_j phi(k_j)
     chunk: int = 64  # C: chunk length of the causal prefix sums (implementation, not paper)
 
     def __post_init__(self) -> None:
-        if not self.eps > 0:
-            raise ValueError(f"eps must be > 0 (it keeps empty rows finite), got {self.eps}")
-        if self.chunk < 1:
-            raise ValueError(f"chunk must be >= 1, got {self.chunk}")
+        if self.feature_map not in FEATURE_MAPS:
+            raise ValueError(
+                f"feature_map must be one of {sorted(FEATURE_MAPS)}, got {self.feature_map!r}"
+            )
+        _check_eps_chunk(self.eps, self.chunk)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinearEluConfig(MechanismConfig):
+    """``linear`` with phi fixed to elu(x) + 1 (the paper's map)."""
+
+    name: ClassVar[str] = "linear_elu"
+    feature_map: ClassVar[FeatureMap] = "elu"  # phi(x) = elu(x) + 1, fixed (not a field)
+    eps: float = 1e-6  # epsilon: added to the normaliser phi(q_i)^T sum_j phi(k_j)
+    chunk: int = 64  # C: chunk length of the causal prefix sums (implementation, not paper)
+
+    def __post_init__(self) -> None:
+        _check_eps_chunk(self.eps, self.chunk)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinearReluConfig(MechanismConfig):
+    """``linear`` with phi fixed to relu(x)."""
+
+    name: ClassVar[str] = "linear_relu"
+    feature_map: ClassVar[FeatureMap] = "relu"  # phi(x) = relu(x), fixed (not a field)
+    eps: float = 1e-6  # epsilon: added to the normaliser phi(q_i)^T sum_j phi(k_j)
+    chunk: int = 64  # C: chunk length of the causal prefix sums (implementation, not paper)
+
+    def __post_init__(self) -> None:
+        _check_eps_chunk(self.eps, self.chunk)
 
 
 def elu_feature_map(x: torch.Tensor) -> torch.Tensor:
     """phi(x) = elu(x) + 1: positive, so every normaliser is a sum of positive terms."""
     return F.elu(x) + 1.0
+
+
+def relu_feature_map(x: torch.Tensor) -> torch.Tensor:
+    """phi(x) = relu(x): non-negative; a row whose features are all 0 gives 0 (eps)."""
+    return F.relu(x)
+
+
+FEATURE_MAPS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "elu": elu_feature_map,
+    "relu": relu_feature_map,
+}
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -45,26 +101,37 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _features(
-    q: torch.Tensor, k: torch.Tensor, key_mask: torch.Tensor | None
+    q: torch.Tensor, k: torch.Tensor, key_mask: torch.Tensor | None,
+    phi: Callable[[torch.Tensor], torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """phi(q) [b,h,n,d], phi(k) [b,h,m,d] with padded keys zeroed (so they are invisible)."""
-    fq, fk = elu_feature_map(q), elu_feature_map(k)
+    fq, fk = phi(q), phi(k)
     if key_mask is not None:
         fk = fk * key_mask[:, None, :, None].to(fk.dtype)  # [b,h,m,d]
     return fq, fk
 
 
+def _divide(num: torch.Tensor, den: torch.Tensor, eps: float) -> torch.Tensor:
+    """num [...,dv] / (den [...] + eps); a zero denominator (no visible key, eps = 0) gives 0.
+
+    The numerator is then 0 too (non-negative features); the guard keeps eps = 0 (Performer)
+    free of NaN in the output and the gradient. With eps > 0 it is plain division.
+    """
+    den = den + eps
+    return num / torch.where(den > 0, den, torch.ones_like(den)).unsqueeze(-1)
+
+
 def _bidirectional(fq, fk, v, eps: float) -> torch.Tensor:
     """out_i = phi(q_i)^T (sum_j phi(k_j) v_j^T) / (phi(q_i)^T sum_j phi(k_j) + eps)."""
-    kv = torch.einsum("bhmd,bhme->bhde", fk, v)  # [b,h,d,dv]
-    z = fk.sum(dim=-2)  # [b,h,d]
-    num = torch.einsum("bhnd,bhde->bhne", fq, kv)  # [b,h,n,dv]
-    den = torch.einsum("bhnd,bhd->bhn", fq, z)  # [b,h,n]
-    return num / (den.unsqueeze(-1) + eps)
-
-
+    kv = torch.einsum("bhmr,bhme->bhre", fk, v)  # [b,h,r,dv]
+    z = fk.sum(dim=-2)  # [b,h,r]
+    num = torch.einsum("bhnr,bhre->bhne", fq, kv)  # [b,h,n,dv]
+    den = torch.einsum("bhnr,bhr->bhn", fq, z)  # [b,h,n]
+    return _divide(num, den, eps)
 def _causal(fq, fk, v, eps: float, chunk: int) -> torch.Tensor:
     """Causal form with chunked prefix sums; queries aligned to the last n keys.
+
+    fq [b,h,n,d], fk [b,h,m,d] (d: the feature count r), v [b,h,m,dv] -> [b,h,n,dv].
 
     Query i sees keys j <= i + (m - n). Keys before the aligned block seed the state;
     queries before it (n > m) see nothing and give zeros. The aligned block is cut into
@@ -102,7 +169,7 @@ def _causal(fq, fk, v, eps: float, chunk: int) -> torch.Tensor:
     z_prev = torch.cat([z0[:, :, None], kc.sum(-2)[:, :, :-1]], dim=2).cumsum(dim=2)
     num = a @ vc + qc @ s_prev  # [b,h,nc,C,dv]
     den = a.sum(dim=-1) + (qc @ z_prev.unsqueeze(-1)).squeeze(-1)  # [b,h,nc,C]
-    out = (num / (den.unsqueeze(-1) + eps)).reshape(b, h, nc * c, dv)[:, :, :length]
+    out = _divide(num, den, eps).reshape(b, h, nc * c, dv)[:, :, :length]
     return torch.cat([fq.new_zeros(b, h, q0, dv), out], dim=2)  # [b,h,n,dv]
 
 
@@ -111,16 +178,88 @@ def linear_weights(fq, fk, causal: bool, eps: float) -> torch.Tensor:
     a = fq @ fk.transpose(-1, -2)  # [b,h,n,m]
     if causal:
         a = a.masked_fill(~causal_mask(a.shape[-2], a.shape[-1], a.device), 0.0)
-    return a / (a.sum(dim=-1, keepdim=True) + eps)
+    return _divide(a, a.sum(dim=-1), eps)  # [b,h,n,m]
 
+
+def _linear_attention(
+    fq: torch.Tensor, fk: torch.Tensor, v: torch.Tensor, ctx: AttnContext, eps: float,
+    chunk: int, dtype: torch.dtype,
+) -> AttnOutput:
+    """The shared O(n) core: features fq [b,h,n,r], fk [b,h,m,r] (padded keys already 0),
+    v [b,h,m,dv] in the compute dtype -> AttnOutput in ``dtype``."""
+    if ctx.causal:
+        out = _causal(fq, fk, v, eps, chunk)  # [b,h,n,dv]
+    else:
+        out = _bidirectional(fq, fk, v, eps)  # [b,h,n,dv]
+    probs = linear_weights(fq, fk, ctx.causal, eps).to(dtype) if ctx.need_weights else None
+    return AttnOutput(out.to(dtype), probs)
+
+
+class _FeatureMapLinear(nn.Module):
+    """The one implementation behind ``linear``, ``linear_elu`` and ``linear_relu``."""
+
+    def __init__(self, cfg: LinearConfig | LinearEluConfig | LinearReluConfig,
+                 dims: HeadDims) -> None:
+        super().__init__()
+        self.cfg, self.dims = cfg, dims
+        self.phi = FEATURE_MAPS[cfg.feature_map]
+
+    def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
+        check_qkv(q, k, v, self.dims)
+        work = _compute_dtype(q.dtype)
+        fq, fk = _features(q.to(work), k.to(work), ctx.key_mask, self.phi)  # [b,h,n|m,d]
+        return _linear_attention(fq, fk, v.to(work), ctx, self.cfg.eps, self.cfg.chunk,
+                                 q.dtype)
+
+
+_LINEAR_CAPS = Capabilities(
+    family="linear", paper="Katharopoulos et al. 2020", exact=False, complexity="O(n*d^2)",
+)
+
+
+@register_mechanism(LinearConfig)
+class Linear(_FeatureMapLinear):
+    """Linear attention with a chosen positive feature map (``feature_map``).
+
+    Paper: Katharopoulos, Vyas, Pappas, Fleuret, "Transformers are RNNs: Fast
+    Autoregressive Transformers with Linear Attention", ICML 2020.
+    Formula: sim(q, k) = phi(q)^T phi(k) with phi(x) = elu(x) + 1 (the paper's) or relu(x);
+    out_i = phi(q_i)^T (sum_j phi(k_j) v_j^T) / (phi(q_i)^T sum_j phi(k_j) + eps),
+    with the sums over j <= i (prefix sums) when causal, which is the RNN
+    S_i = S_{i-1} + phi(k_i) v_i^T, z_i = z_{i-1} + phi(k_i).
+    Complexity O(n*d^2) time, O(d^2) state per head; causal: chunked prefix sums (``chunk``),
+    as ``linear_elu``, which is this mechanism with feature_map="elu" (``linear_relu``:
+    feature_map="relu"; one implementation).
+    Deviations / notes: relu is not in the paper (it is the common alternative map); a row
+    whose relu features are all 0 gives 0. As ``linear_elu``: raw q, k (no ``ctx.scale``),
+    no attention dropout, 16-bit inputs accumulated in fp32, ``need_weights`` materialises
+    the normalised phi(q) phi(k)^T matrix, O(n*m).
+    """
+
+    example: ClassVar[str] = "linear(feature_map='relu')"
+    caps: ClassVar[Capabilities] = _LINEAR_CAPS
+
+
+@register_mechanism(LinearReluConfig)
+class LinearRelu(_FeatureMapLinear):
+    """Linear attention with phi(x) = relu(x): ``linear(feature_map='relu')`` under its own name.
+
+    Paper: Katharopoulos et al., "Transformers are RNNs", ICML 2020 (the linear-attention
+    form; relu replaces its elu(x) + 1). Formula:
+    out_i = relu(q_i)^T (sum_j relu(k_j) v_j^T) / (relu(q_i)^T sum_j relu(k_j) + eps).
+    Complexity O(n*d^2). See ``linear`` for the notes.
+    """
+
+    example: ClassVar[str] = "linear_relu"
+    caps: ClassVar[Capabilities] = _LINEAR_CAPS
 
 @register_mechanism(LinearEluConfig)
-class LinearElu(nn.Module):
+class LinearElu(_FeatureMapLinear):
     """Linear attention with the elu(x) + 1 feature map.
 
     Paper: Katharopoulos, Vyas, Pappas, Fleuret, "Transformers are RNNs: Fast
     Autoregressive Transformers with Linear Attention", ICML 2020.
-    Formula: phi(x) = elu(x) + 1;
+    Formula: phi(x) = elu(x) + 1 (``linear(feature_map="elu")``, the same implementation);
     out_i = phi(q_i)^T (sum_j phi(k_j) v_j^T) / (phi(q_i)^T sum_j phi(k_j) + eps),
     with the sums over j <= i (prefix sums) when causal.
     Complexity O(n*d^2) time, O(d^2) state per head. Causal: chunked prefix sums over
@@ -137,26 +276,139 @@ class LinearElu(nn.Module):
     """
 
     example: ClassVar[str] = "linear_elu"
+    caps: ClassVar[Capabilities] = _LINEAR_CAPS
+
+
+
+# ------------------------------------------------------------------------------ Performer
+
+
+@dataclass(frozen=True, kw_only=True)
+class PerformerConfig(MechanismConfig):
+    name: ClassVar[str] = "performer"
+    num_features: int = 64  # m: random features per head (the paper takes m ~ d log d)
+    redraw: Literal["every_forward", "fixed"] = "every_forward"  # redraw w_1..w_m in training
+    orthogonal: bool = True  # orthogonal w_i (ORF blocks, the paper's); False: i.i.d. N(0, I_d)
+    seed: int = 0  # seed of the draws of w, mixed with ctx.layer_idx (and the draw count)
+    chunk: int = 64  # C: chunk length of the causal prefix sums (implementation, not paper)
+
+    def __post_init__(self) -> None:
+        if self.num_features < 1:
+            raise ValueError(
+                f"num_features (m) must be >= 1, got {self.num_features}; the paper uses "
+                "m ~ d log d, e.g. num_features=64 for head_dim 64"
+            )
+        if self.redraw not in ("every_forward", "fixed"):
+            raise ValueError(f"redraw must be 'every_forward' or 'fixed', got {self.redraw!r}")
+        if self.chunk < 1:
+            raise ValueError(f"chunk must be >= 1, got {self.chunk}")
+
+
+def gaussian_orthogonal_features(m: int, d: int, generator: torch.Generator,
+                                 orthogonal: bool = True) -> torch.Tensor:
+    """w [m, d] fp32: rows w_i ~ N(0, I_d), orthogonal within blocks of d when ``orthogonal``.
+
+    ORF (the paper's): each block of d rows is Q^T of the QR of a d x d Gaussian matrix (signs
+    fixed by diag(R), so Q is Haar-distributed); row i is then rescaled by the norm of an
+    independent N(0, I_d) vector (chi_d distributed), so each row keeps the marginal law of
+    a Gaussian row. The last block is cut to m mod d rows.
+    """
+    if not orthogonal:
+        return torch.randn(m, d, generator=generator)
+    blocks = []
+    for _ in range(-(-m // d)):
+        a = torch.randn(d, d, generator=generator, dtype=torch.float64)  # [d,d]
+        qm, r = torch.linalg.qr(a)  # columns of qm orthonormal
+        blocks.append((qm * torch.sign(torch.diagonal(r))).T)  # [d,d], rows orthonormal
+    w = torch.cat(blocks)[:m]  # [m,d]
+    norms = torch.randn(m, d, generator=generator, dtype=torch.float64).norm(dim=1)  # [m] chi_d
+    return (w * norms[:, None]).float()
+
+
+def favor_features(x: torch.Tensor, w: torch.Tensor, key_mask: torch.Tensor | None = None,
+                   is_query: bool = True) -> torch.Tensor:
+    """phi(x) = exp(w^T x - |x|^2/2) / sqrt(m) [b,h,L,m] for x [b,h,L,d] (already scaled).
+
+    Stabilised as the paper's code: the max exponent is subtracted before exp, per query row
+    for queries and over all visible keys of a (batch, head) for keys. Both are common
+    factors of a normaliser's numerator and denominator, so they cancel exactly (no eps is
+    added, see Performer). Padded keys (key_mask [b,L] False) get phi = 0.
+    """
+    proj = x @ w.transpose(0, 1)  # [b,h,L,m]
+    expo = proj - x.square().sum(dim=-1, keepdim=True) / 2  # [b,h,L,m]
+    if is_query:
+        stab = expo.amax(dim=-1, keepdim=True)  # [b,h,L,1]
+    else:
+        if key_mask is not None:
+            expo = expo.masked_fill(~key_mask[:, None, :, None].to(torch.bool), float("-inf"))
+        stab = expo.amax(dim=(-2, -1), keepdim=True)  # [b,h,1,1]
+        stab = torch.where(torch.isfinite(stab), stab, torch.zeros_like(stab))  # all padded
+    return torch.exp(expo - stab.detach()) * w.shape[0] ** -0.5  # [b,h,L,m]
+
+
+def _mix_seed(seed: int, layer_idx: int, draw: int) -> int:
+    # one 63-bit seed per (seed, layer, draw); distinct triples give distinct generators
+    return ((seed * 1_000_003 + layer_idx) * 1_000_003 + draw) % (2**63)
+
+
+@register_mechanism(PerformerConfig)
+class Performer(nn.Module):
+    """Performer: FAVOR+ (positive orthogonal random features) for the softmax kernel.
+
+    Paper: Choromanski, Likhosherstov, Dohan, Song, Gane, Sarlos, Hawkins, Davis, Mohiuddin,
+    Kaiser, Belanger, Colwell, Weller, "Rethinking Attention with Performers", ICLR 2021.
+    Formula: with x' = x * s^(1/2), s = ctx.scale or d^-1/2 (the paper's d^-1/4),
+    phi(x) = exp(W x' - |x'|^2/2) / sqrt(m), W = [w_1..w_m] orthogonal random features, so
+    E[phi(q)^T phi(k)] = exp(s q^T k), the softmax kernel;
+    out_i = phi(q_i)^T (sum_j phi(k_j) v_j^T) / (phi(q_i)^T sum_j phi(k_j)),
+    sums over j <= i (prefix sums) when causal. Complexity O(n*m*d) time, O(m*d) state.
+    Randomness: W is drawn from ``seed`` and ``ctx.layer_idx``; eval mode (and
+    ``redraw='fixed'``) always uses draw 0, so it is deterministic; ``redraw='every_forward'``
+    draws a fresh W (draw 1, 2, ...) at each training forward, as the paper recommends.
+    Deviations / notes: the stabilising max is taken of the whole exponent (w^T x - |x|^2/2)
+    rather than of w^T x alone, so the largest feature is exactly 1/sqrt(m); the paper's
+    code also adds 1e-6 to every feature, which would stop the key max from cancelling
+    (future keys would leak into causal rows), so instead a row with no visible key gives 0.
+    The causal key max spans the whole sequence; it cancels exactly, so future keys change
+    past rows only by float rounding. No attention dropout (``ctx.dropout`` ignored); 16-bit
+    inputs are computed in fp32; ``need_weights`` materialises the normalised
+    phi(q) phi(k)^T matrix, O(n*m).
+    """
+
+    example: ClassVar[str] = "performer(num_features=16)"
     caps: ClassVar[Capabilities] = Capabilities(
-        family="linear", paper="Katharopoulos et al. 2020", exact=False,
-        complexity="O(n*d^2)",
+        family="linear", paper="Choromanski et al. 2021", exact=False, complexity="O(n*m*d)",
     )
 
-    def __init__(self, cfg: LinearEluConfig, dims: HeadDims) -> None:
+    def __init__(self, cfg: PerformerConfig, dims: HeadDims) -> None:
         super().__init__()
         self.cfg, self.dims = cfg, dims
+        self.draws = 0  # training forwards that drew a fresh W (redraw="every_forward")
+        self._fixed: dict[tuple[int, torch.device, torch.dtype], torch.Tensor] = {}
+
+    def projection(self, layer_idx: int, draw: int = 0, device: torch.device | None = None,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """W [m, d] of draw ``draw`` for layer ``layer_idx`` (draw 0: the eval features)."""
+        g = torch.Generator().manual_seed(_mix_seed(self.cfg.seed, layer_idx, draw))
+        w = gaussian_orthogonal_features(self.cfg.num_features, self.dims.head_dim, g,
+                                         self.cfg.orthogonal)
+        return w.to(device=device, dtype=dtype)
+
+    def _current_projection(self, layer_idx: int, device: torch.device,
+                            dtype: torch.dtype) -> torch.Tensor:
+        if self.training and self.cfg.redraw == "every_forward":
+            self.draws += 1
+            return self.projection(layer_idx, self.draws, device, dtype)
+        key = (layer_idx, device, dtype)
+        if key not in self._fixed:
+            self._fixed[key] = self.projection(layer_idx, 0, device, dtype)
+        return self._fixed[key]
 
     def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
         check_qkv(q, k, v, self.dims)
-        dtype = q.dtype
-        work = _compute_dtype(dtype)
-        fq, fk = _features(q.to(work), k.to(work), ctx.key_mask)  # [b,h,n,d], [b,h,m,d]
-        vw = v.to(work)  # [b,h,m,dv]
-        if ctx.causal:
-            out = _causal(fq, fk, vw, self.cfg.eps, self.cfg.chunk)
-        else:
-            out = _bidirectional(fq, fk, vw, self.cfg.eps)
-        probs = None
-        if ctx.need_weights:
-            probs = linear_weights(fq, fk, ctx.causal, self.cfg.eps).to(dtype)
-        return AttnOutput(out.to(dtype), probs)
+        work = _compute_dtype(q.dtype)
+        w = self._current_projection(ctx.layer_idx, q.device, work)  # [m,d]
+        c = ctx.scale_for(q.shape[-1]) ** 0.5  # d^-1/4 on q and on k
+        fq = favor_features(q.to(work) * c, w)  # [b,h,n,m]
+        fk = favor_features(k.to(work) * c, w, ctx.key_mask, is_query=False)  # [b,h,m,m']
+        return _linear_attention(fq, fk, v.to(work), ctx, 0.0, self.cfg.chunk, q.dtype)
