@@ -17,6 +17,8 @@ RULES = [
     "3:0,1:bp_tree(window=2, k=1)",
     "4:0,1:lsh(buckets=4, chunk=4, num_hashes=2)",
     "5:0,1:axial(cols=4, mode='two_pass')",
+    "5:2,3:routing(num_clusters=2)",
+    "4:2,3:sac(k=4)",
 ]
 
 
@@ -24,7 +26,7 @@ def test_new_mechanisms_train_one_step_in_minilm():
     model, tok = attnlab.load_default_model("sequence-classification", num_labels=2)
     report = attnlab.apply_plan(model, attnlab.Plan.parse(RULES))
     assert {spec.split("(")[0] for row in report.table for spec in row} >= {
-        "performer", "linear_relu", "axial", "bp_tree", "lsh"}
+        "performer", "linear_relu", "axial", "bp_tree", "lsh", "routing", "sac"}
     batch = tok(["a short sentence", "another, somewhat longer sentence for the batch"],
                 padding=True, return_tensors="pt")
     model.train()

@@ -1,6 +1,7 @@
 """Content-based sparse attention: keys are grouped by what they contain (hashing), not where.
 
 ``lsh``: Reformer's angular-LSH attention with shared query/key vectors.
+``routing``: the Routing Transformer's online k-means routing (balanced top-w clusters).
 """
 
 from __future__ import annotations
@@ -249,4 +250,201 @@ class LSH(nn.Module):
             scale=ctx.scale_for(d), wrap=self.cfg.wrap, eps=self.cfg.eps,
             dropout=ctx.dropout, training=self.training, need_weights=ctx.need_weights,
         )
+        return AttnOutput(out.to(dtype), None if probs is None else probs.to(dtype))
+
+
+# ------------------------------------------------------------------ routing (online k-means)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoutingConfig(MechanismConfig):
+    name: ClassVar[str] = "routing"
+    num_clusters: int = 4  # k: k-means centroids mu_1..mu_k per head (the routes)
+    window: int = 0  # w: queries and keys each cluster keeps (top-w by similarity); 0 = ceil(n/k)
+    decay: float = 0.999  # lambda: EMA of the centroids, mu <- lambda mu + (1 - lambda) mean
+    seed: int = 0  # seeds the initial centroids mu (unit-norm Gaussian draws)
+    eps: float = 1e-5  # epsilon of the layer norm of q and k (no scale, no bias)
+
+    def __post_init__(self) -> None:
+        if self.num_clusters < 1:
+            raise ValueError(
+                f"num_clusters must be >= 1 (k-means centroids per head), got {self.num_clusters}"
+            )
+        if self.window < 0:
+            raise ValueError(
+                f"window must be >= 0 (tokens kept per cluster; 0 = ceil(n / num_clusters)), "
+                f"got {self.window}"
+            )
+        if not 0.0 <= self.decay < 1.0:
+            raise ValueError(
+                f"decay must be in [0, 1) (EMA rate of the centroids, e.g. 0.999), got {self.decay}"
+            )
+        if not self.eps > 0:
+            raise ValueError(f"eps must be > 0, got {self.eps}")
+
+
+def routing_centroids(cfg: RoutingConfig, num_heads: int, head_dim: int) -> torch.Tensor:
+    """Initial centroids mu [h, k, d] (fp32, unit norm) from a generator seeded by cfg.seed."""
+    g = torch.Generator().manual_seed(cfg.seed)
+    return F.normalize(torch.randn(num_heads, cfg.num_clusters, head_dim, generator=g), dim=-1)
+
+
+def routing_windows(window: int, num_clusters: int, n: int, m: int) -> tuple[int, int]:
+    """(w_q, w_k): members kept per cluster among n queries and m keys (0 = ceil(len / k))."""
+    wq = window if window > 0 else -(-n // num_clusters)
+    wk = window if window > 0 else -(-m // num_clusters)
+    return min(wq, n), min(wk, m)
+
+
+def routing_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    centroids: torch.Tensor,
+    *,
+    window: int = 0,
+    key_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    eps: float = 1e-5,
+    dropout: float = 0.0,
+    training: bool = False,
+    need_weights: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Balanced routing attention with given centroids; returns (out [b,h,n,dv], probs or None).
+
+    q [b,h,n,d], k [b,h,m,d], v [b,h,m,dv]; centroids mu [h,k,d] (unit norm); key_mask [b,m].
+    q~ = LN(q), k~ = LN(k) (layer norm without scale/bias, norm ~sqrt(d)); routing uses the
+    unit vectors q^ = q~/sqrt(d), k^ = k~/sqrt(d): cluster c keeps the top-w_q queries by
+    q^_i . mu_c and the top-w_k keys by k^_j . mu_c (padded keys, and padded queries when
+    n == m, rank last). Inside c: p_c(i, j) = softmax_j(q~_i . k~_j * scale) over its kept,
+    unpadded keys. A query kept by several clusters averages their outputs; a query kept by
+    none gets zeros (and zero probs). probs [b,h,n,m] (pre-dropout, averaged likewise).
+    """
+    b, h, n, d = q.shape
+    m, dv = k.shape[2], v.shape[-1]
+    nk = centroids.shape[1]
+    scale = d**-0.5 if scale is None else scale
+    wq, wk = routing_windows(window, nk, n, m)
+    dev = q.device
+
+    qn = F.layer_norm(q, (d,), eps=eps)  # [b,h,n,d], norm ~sqrt(d)
+    kn = F.layer_norm(k, (d,), eps=eps)  # [b,h,m,d]
+    mu = centroids.to(device=dev, dtype=qn.dtype)  # [h,k,d]
+    q_sim = torch.einsum("bhnd,hcd->bhcn", qn.detach(), mu) * d**-0.5  # q^ . mu [b,h,k,n]
+    k_sim = torch.einsum("bhmd,hcd->bhcm", kn.detach(), mu) * d**-0.5  # k^ . mu [b,h,k,m]
+    valid = torch.ones(b, m, dtype=torch.bool, device=dev) if key_mask is None else (
+        key_mask.to(torch.bool))  # [b,m]
+    k_sim = k_sim.masked_fill(~valid[:, None, None, :], float("-inf"))
+    if key_mask is not None and n == m:  # self-attention: padded queries rank last too
+        q_sim = q_sim.masked_fill(~valid[:, None, None, :], float("-inf"))
+    qidx = q_sim.topk(wq, dim=-1).indices  # kept queries per cluster [b,h,k,wq]
+    kidx = k_sim.topk(wk, dim=-1).indices  # kept keys per cluster [b,h,k,wk]
+
+    qs = _gather_rows(qn, qidx)  # [b,h,k,wq,d]
+    ks = _gather_rows(kn, kidx)  # [b,h,k,wk,d]
+    vs = _gather_rows(v, kidx)  # [b,h,k,wk,dv]
+    kvalid = torch.gather(valid[:, None, None, :].expand(b, h, nk, m), 3, kidx)  # [b,h,k,wk]
+    scores = torch.matmul(qs, ks.transpose(-1, -2)) * scale  # [b,h,k,wq,wk]
+    probs = masked_softmax(scores, kvalid[..., None, :].expand(scores.shape))  # [b,h,k,wq,wk]
+    p = F.dropout(probs, dropout, training=True) if (training and dropout > 0) else probs
+    out_c = torch.matmul(p, vs)  # [b,h,k,wq,dv]
+
+    flat_q = qidx.reshape(b, h, nk * wq)  # [b,h,k*wq]
+    count = q.new_zeros(b, h, n, dtype=probs.dtype).scatter_add(
+        2, flat_q, probs.new_ones(b, h, nk * wq))  # clusters keeping query i [b,h,n]
+    denom = count.clamp(min=1.0)[..., None]  # [b,h,n,1]
+    out = probs.new_zeros(b, h, n, dv).scatter_add(
+        2, flat_q[..., None].expand(-1, -1, -1, dv), out_c.reshape(b, h, nk * wq, dv))
+    out = out / denom  # [b,h,n,dv]; unrouted queries stay 0
+
+    dense = None
+    if need_weights:
+        cells = qidx[..., :, None] * m + kidx[..., None, :]  # flat (i, j) [b,h,k,wq,wk]
+        dense = probs.new_zeros(b, h, n * m).scatter_add(
+            2, cells.reshape(b, h, -1), probs.reshape(b, h, -1)).view(b, h, n, m) / denom
+    return out, dense
+
+
+@register_mechanism(RoutingConfig)
+class Routing(nn.Module):
+    """Routing Transformer attention: online k-means routes queries to keys by content.
+
+    Paper: Roy, Saffar, Vaswani, Grangier, "Efficient Content-Based Sparse Attention with
+    Routing Transformers", TACL 2021.
+    Formula: q~ = LN(q), k~ = LN(k) (layer norm, no scale/bias), unit vectors
+    q^ = q~ / sqrt(d), k^ = k~ / sqrt(d); per head k centroids mu_c (unit norm, shared by
+    queries and keys). Balanced routing (the paper's implementation): cluster c keeps the
+    w queries with the largest q^_i . mu_c and the w keys with the largest k^_j . mu_c
+    (w = window, or ceil(n / k) when window = 0). Query i in cluster c attends the kept
+    keys of c: o_c(i) = sum_j softmax_j(q~_i . k~_j / sqrt(d)) v_j. A query kept by several
+    clusters averages its outputs (as lucidrains' routing_transformer, scatter-mean); a query
+    kept by none outputs zeros (its residual stream passes unchanged), never NaN.
+    Training (train mode only): after the forward, each unpadded q^ and k^ joins its nearest
+    centroid (argmax x^ . mu_c), and mu_c <- normalise(lambda mu_c + (1 - lambda) mean of its
+    members) (clusters with no member keep mu_c); eval mode never updates, so it is
+    deterministic. The centroids are a buffer [h, k, d] (saved with the model, no gradient),
+    initialised from a generator seeded by ``seed``.
+    Complexity O(n*k*d + k*w^2*d) time (+ O(n log n) top-w), O(k*w^2) memory.
+    Padding: padded keys rank last in every cluster and are never attended (so are padded
+    queries when n == m); a row with no valid key gives zeros.
+    Deviations / notes: no commitment auxiliary loss (the paper uses EMA only); 16-bit inputs
+    are computed in fp32. Not causal (``causal_ok=False``): the balanced top-w ranking lets
+    future tokens push past tokens out of a cluster. ``routing_attention`` is the functional
+    form taking the centroids explicitly.
+    """
+
+    example: ClassVar[str] = "routing(num_clusters=3, window=5)"
+    caps: ClassVar[Capabilities] = Capabilities(
+        family="content", paper="Roy et al. 2021", scope="head", causal_ok=False,
+        key_mask_ok=True, exact=False, complexity="O(n*k*d + k*w^2*d)",
+    )
+    centroids: torch.Tensor
+
+    def __init__(self, cfg: RoutingConfig, dims: HeadDims) -> None:
+        super().__init__()
+        self.cfg, self.dims = cfg, dims
+        self.register_buffer("centroids", routing_centroids(cfg, dims.num_heads, dims.head_dim))
+
+    @torch.no_grad()
+    def update_centroids(
+        self, q: torch.Tensor, k: torch.Tensor, key_mask: torch.Tensor | None
+    ) -> None:
+        """One online k-means (EMA) step on q [b,h,n,d], k [b,h,m,d]; padded tokens skipped."""
+        b, h, n, d = q.shape
+        m = k.shape[2]
+        x = torch.cat([F.layer_norm(q, (d,), eps=self.cfg.eps),
+                       F.layer_norm(k, (d,), eps=self.cfg.eps)], dim=2) * d**-0.5  # [b,h,n+m,d]
+        ones_q = torch.ones(b, n, dtype=torch.bool, device=q.device)
+        kvalid = ones_q.new_ones(b, m) if key_mask is None else key_mask.to(torch.bool)
+        qvalid = kvalid if (key_mask is not None and n == m) else ones_q
+        valid = torch.cat([qvalid, kvalid], dim=1)  # [b,n+m]
+        mu = self.centroids.to(x)  # [h,k,d]
+        assign = torch.einsum("bhtd,hcd->bhtc", x, mu).argmax(dim=-1)  # nearest [b,h,n+m]
+        onehot = F.one_hot(assign, mu.shape[1]).to(x) * valid[:, None, :, None]  # [b,h,t,k]
+        sums = torch.einsum("bhtc,bhtd->hcd", onehot, x)  # [h,k,d]
+        counts = onehot.sum(dim=(0, 2))  # [h,k]
+        mean = sums / counts.clamp(min=1.0)[..., None]
+        new = F.normalize(self.cfg.decay * mu + (1.0 - self.cfg.decay) * mean, dim=-1)
+        new = torch.where(counts[..., None] > 0, new, mu)
+        self.centroids.copy_(new.to(self.centroids.dtype))
+
+    def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
+        check_qkv(q, k, v, self.dims)
+        if ctx.causal:
+            raise ValueError(
+                "routing cannot run causally: the balanced top-w cluster ranking lets future "
+                "tokens push past tokens out of a cluster (caps.causal_ok=False); use it in "
+                "encoders only"
+            )
+        d = q.shape[3]
+        dtype = q.dtype
+        work = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+        qw, kw, vw = q.to(work), k.to(work), v.to(work)
+        out, probs = routing_attention(
+            qw, kw, vw, self.centroids.to(work), window=self.cfg.window,
+            key_mask=ctx.key_mask, scale=ctx.scale_for(d), eps=self.cfg.eps,
+            dropout=ctx.dropout, training=self.training, need_weights=ctx.need_weights,
+        )
+        if self.training:
+            self.update_centroids(qw, kw, ctx.key_mask)
         return AttnOutput(out.to(dtype), None if probs is None else probs.to(dtype))

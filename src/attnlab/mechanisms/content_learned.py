@@ -1,0 +1,141 @@
+"""Content-based sparse attention with a learned edge predictor.
+
+``sac``: Sparse Adaptive Connection, an MLP scores every (query, key) edge from [q_i; k_j]
+and each query keeps its top-k edges.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..core import (
+    AttnContext,
+    AttnOutput,
+    Capabilities,
+    HeadDims,
+    MechanismConfig,
+    causal_mask,
+    check_qkv,
+    masked_softmax,
+    register_mechanism,
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SACConfig(MechanismConfig):
+    name: ClassVar[str] = "sac"
+    k: int = 8  # k: edges (keys) kept per query, the top-k of the predictor's scores
+    predictor: Literal["mlp"] = "mlp"  # edge predictor f([q_i; k_j]) (the paper's LSTM: not here)
+    hidden: int = 16  # width of the predictor MLP's hidden layer
+
+    def __post_init__(self) -> None:
+        if self.k < 1:
+            raise ValueError(f"k must be >= 1 (edges kept per query), got {self.k}")
+        if self.predictor != "mlp":
+            raise ValueError(
+                f"predictor must be 'mlp' (the only edge predictor implemented), "
+                f"got {self.predictor!r}"
+            )
+        if self.hidden < 1:
+            raise ValueError(f"hidden must be >= 1 (predictor MLP width), got {self.hidden}")
+
+
+def sac_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    edge_scores: torch.Tensor,
+    *,
+    top_k: int,
+    key_mask: torch.Tensor | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+    dropout: float = 0.0,
+    training: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over each query's top-k predicted edges; returns (out [b,h,n,dv], probs [b,h,n,m]).
+
+    q [b,h,n,d], k [b,h,m,d], v [b,h,m,dv]; edge_scores e [b,h,n,m] from the predictor.
+    Allowed edges: unpadded keys (and j <= i when causal, queries aligned to the last n keys).
+    M = top-k of e among allowed edges (ties: torch.topk). p = softmax(q.k * scale) over M.
+    Straight-through: out = sum_j p_ij * (M_ij + s_ij - sg(s_ij)) v_j, s = sigmoid(e), sg =
+    stop-gradient: the value is exactly p @ v, the gradient reaches e through s on kept edges.
+    Rows with no allowed key give zeros. probs are the pre-dropout p.
+    """
+    b, h, n, d = q.shape
+    m = k.shape[2]
+    scale = d**-0.5 if scale is None else scale
+    allowed = torch.ones(b, 1, n, m, dtype=torch.bool, device=q.device)  # [b,1,n,m]
+    if causal:
+        allowed = allowed & causal_mask(n, m, q.device)
+    if key_mask is not None:
+        allowed = allowed & key_mask[:, None, None, :].to(torch.bool)
+    allowed = allowed.expand(b, h, n, m)  # [b,h,n,m]
+    kk = min(top_k, m)
+    idx = edge_scores.detach().masked_fill(~allowed, float("-inf")).topk(kk, dim=-1).indices
+    keep = torch.zeros_like(allowed).scatter(-1, idx, True) & allowed  # M [b,h,n,m]
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [b,h,n,m]
+    probs = masked_softmax(scores, keep)  # [b,h,n,m]
+    s = torch.sigmoid(edge_scores)  # [b,h,n,m]
+    gate = keep.to(s.dtype) + s - s.detach()  # value M, gradient d s
+    p = F.dropout(probs, dropout, training=True) if (training and dropout > 0) else probs
+    return torch.matmul(p * gate, v), probs
+
+
+@register_mechanism(SACConfig)
+class SAC(nn.Module):
+    """Sparse Adaptive Connection: a learned edge predictor picks each query's k keys.
+
+    Paper: Li, Meng, Zhou, Han, Wu, Li, "SAC: Accelerating and Structuring Self-Attention via
+    Sparse Adaptive Connection", NeurIPS 2020.
+    Formula: edge score e_ij = w2 . relu(W1 [q_i; k_j] + b1) + b2 (one MLP shared by the
+    heads); M_i = top-k_j e_ij over the allowed keys; o_i = sum_{j in M_i} softmax_j(q_i . k_j
+    / sqrt(d)) v_j. Gradient to the predictor: straight-through, o_i = sum_j p_ij (M_ij +
+    s_ij - sg(s_ij)) v_j with s = sigmoid(e) (forward value exactly the hard top-k; this
+    straight-through estimator stands in for the paper's own training of the predictor).
+    Complexity (scoring every candidate edge): O(n*m*(d + hidden)) time, O(n*m*hidden) memory
+    (every candidate edge is scored; the attention itself is over k edges per query).
+    Padding: padded keys are never chosen nor attended; a row with no valid key gives zeros.
+    Causal: candidates restricted to j <= i before the top-k (scores of (i, j) depend on q_i
+    and k_j only, so nothing leaks). Deviations: MLP predictor only (no LSTM); 16-bit inputs
+    are computed in fp32. ``sac_attention`` is the functional form taking the edge scores.
+    """
+
+    example: ClassVar[str] = "sac(k=3, hidden=8)"
+    caps: ClassVar[Capabilities] = Capabilities(
+        family="content", paper="Li et al. 2020", scope="head", causal_ok=True,
+        key_mask_ok=True, exact=False, complexity="O(n*m*(d + hidden))",
+    )
+
+    def __init__(self, cfg: SACConfig, dims: HeadDims) -> None:
+        super().__init__()
+        self.cfg, self.dims = cfg, dims
+        d = dims.head_dim
+        self.w_q = nn.Linear(d, cfg.hidden)  # W1's query half (with b1)
+        self.w_k = nn.Linear(d, cfg.hidden, bias=False)  # W1's key half
+        self.w_out = nn.Linear(cfg.hidden, 1)  # w2, b2
+
+    def edge_scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """e [b,h,n,m] = w2 . relu(W1 [q_i; k_j] + b1) + b2, computed in q's dtype."""
+        dt = q.dtype
+        hq = F.linear(q, self.w_q.weight.to(dt), self.w_q.bias.to(dt))  # [b,h,n,H]
+        hk = F.linear(k, self.w_k.weight.to(dt))  # [b,h,m,H]
+        hid = torch.relu(hq[..., :, None, :] + hk[..., None, :, :])  # [b,h,n,m,H]
+        return F.linear(hid, self.w_out.weight.to(dt), self.w_out.bias.to(dt))[..., 0]
+
+    def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
+        check_qkv(q, k, v, self.dims)
+        dtype = q.dtype
+        work = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+        qw, kw, vw = q.to(work), k.to(work), v.to(work)
+        out, probs = sac_attention(
+            qw, kw, vw, self.edge_scores(qw, kw), top_k=self.cfg.k, key_mask=ctx.key_mask,
+            causal=ctx.causal, scale=ctx.scale_for(q.shape[3]), dropout=ctx.dropout,
+            training=self.training,
+        )
+        return AttnOutput(out.to(dtype), probs.to(dtype) if ctx.need_weights else None)

@@ -1,0 +1,217 @@
+"""``routing`` (Routing Transformer): naive reference, one-cluster = softmax, EMA, surgery.
+
+Tolerances: fp32 outputs, probabilities and gradients vs the naive references 1e-5;
+the EMA step vs its hand computation 1e-6.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import attnlab
+from attnlab.mechanisms.content import (
+    RoutingConfig,
+    routing_attention,
+    routing_centroids,
+    routing_windows,
+)
+
+D = 8
+
+
+def qkv(b=3, h=2, n=13, m=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    m = n if m is None else m
+    return (torch.randn(b, h, n, D, generator=g), torch.randn(b, h, m, D, generator=g),
+            torch.randn(b, h, m, D, generator=g))
+
+
+def lengths_mask(n, lengths):
+    return torch.arange(n)[None, :] < torch.tensor(lengths)[:, None]  # [b,n]
+
+
+def ln(x, eps=1e-5):
+    """Layer norm without scale/bias, written out: (x - mean) / sqrt(var + eps)."""
+    mean = x.mean(-1, keepdim=True)
+    var = (x - mean).square().mean(-1, keepdim=True)
+    return (x - mean) / torch.sqrt(var + eps)
+
+
+def masked(s, allowed):
+    any_ = allowed.any(-1, keepdim=True)
+    s = s.masked_fill(~allowed, float("-inf")).masked_fill(~any_, 0.0)
+    return torch.softmax(s, -1) * any_
+
+
+def members(sim, w):
+    """Explicit membership [b,h,k,len]: the w largest similarities per cluster (stable sort)."""
+    order = torch.sort(sim, dim=-1, descending=True, stable=True).indices[..., :w]
+    return torch.zeros_like(sim, dtype=torch.bool).scatter(-1, order, True)
+
+
+def naive_routing(q, k, v, mu, window, key_mask=None):
+    """Membership masks per cluster, a dense masked softmax per cluster over all n x m pairs,
+    outputs averaged over the clusters keeping each query. Returns (out, probs)."""
+    b, h, n, d = q.shape
+    m = k.shape[2]
+    valid = torch.ones(b, m, dtype=torch.bool) if key_mask is None else key_mask
+    qn, kn = ln(q), ln(k)
+    s = qn @ kn.transpose(-1, -2) / d**0.5  # [b,h,n,m]
+    qs = torch.einsum("bhnd,hcd->bhcn", qn / d**0.5, mu)
+    ks = torch.einsum("bhmd,hcd->bhcm", kn / d**0.5, mu)
+    ks = ks.masked_fill(~valid[:, None, None, :], float("-inf"))
+    if key_mask is not None and n == m:
+        qs = qs.masked_fill(~valid[:, None, None, :], float("-inf"))
+    wq, wk = routing_windows(window, mu.shape[1], n, m)
+    mq, mk = members(qs, wq), members(ks, wk)  # [b,h,k,n], [b,h,k,m]
+    out = torch.zeros(b, h, n, v.shape[-1])
+    probs = torch.zeros(b, h, n, m)
+    for c in range(mu.shape[1]):
+        allowed = mq[:, :, c, :, None] & mk[:, :, c, None, :] & valid[:, None, None, :]
+        p = masked(s, allowed) * mq[:, :, c, :, None]
+        out, probs = out + p @ v, probs + p
+    count = mq.sum(2).clamp(min=1)[..., None]  # [b,h,n,1]
+    return out / count, probs / count
+
+
+def test_one_cluster_equals_dense_softmax_over_normalised_q_k():
+    q, k, v = (t.requires_grad_() for t in qkv(n=11))
+    mask = lengths_mask(11, [11, 6, 2])
+    for spec in ("routing(num_clusters=1)", "routing(num_clusters=1, window=40)"):
+        mech = attnlab.build_mechanism(spec, attnlab.HeadDims(2, D)).eval()
+        out = mech(q, k, v, attnlab.AttnContext(key_mask=mask)).out
+        ref, _ = attnlab.reference_attention(ln(q), ln(k), v, key_mask=mask)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        g = torch.randn_like(out)
+        for a, r in zip(torch.autograd.grad(out, (q, k, v), g),
+                        torch.autograd.grad(ref, (q, k, v), g), strict=True):
+            torch.testing.assert_close(a, r, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("clusters,window,n,m,padded", [
+    (3, 5, 13, 13, False), (3, 5, 13, 13, True), (4, 0, 19, 19, True), (2, 3, 7, 7, False),
+    (5, 2, 9, 9, True), (3, 4, 6, 10, True), (3, 4, 10, 6, False),
+])
+def test_matches_naive_reference(clusters, window, n, m, padded):
+    q, k, v = (t.requires_grad_() for t in qkv(n=n, m=m, seed=n + m))
+    mask = lengths_mask(m, [m, max(1, m - 4), 2]) if padded else None
+    mu = routing_centroids(RoutingConfig(num_clusters=clusters), 2, D)
+    out, probs = routing_attention(q, k, v, mu, window=window, key_mask=mask, need_weights=True)
+    ref, pref = naive_routing(q, k, v, mu, window, mask)
+    # padded queries (self-attention) tie at -inf: which of them fill a cluster is arbitrary,
+    # so only real query rows are compared
+    real = (mask if (padded and n == m) else torch.ones(3, n, dtype=torch.bool))[:, None, :, None]
+    out, ref, probs, pref = out * real, ref * real, probs * real, pref * real
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(probs, pref, atol=1e-5, rtol=1e-5)
+    g = torch.randn_like(out)
+    for a, r in zip(torch.autograd.grad(out, (q, k, v), g),
+                    torch.autograd.grad(ref, (q, k, v), g), strict=True):
+        torch.testing.assert_close(a, r, atol=1e-5, rtol=1e-5)
+
+
+def test_pattern_is_sparse_and_unrouted_queries_get_zeros():
+    q, k, v = qkv(n=19)
+    mu = routing_centroids(RoutingConfig(num_clusters=2, seed=1), 2, D)
+    out, probs = routing_attention(q, k, v, mu, window=3, need_weights=True)
+    assert probs is not None and (probs > 0).float().mean() < 0.2  # <= 2 * 3 * 3 of 19 * 19
+    unrouted = probs.sum(-1) == 0  # [b,h,n]: at most 6 of 19 queries are kept
+    assert unrouted.any()
+    assert torch.isfinite(out).all() and (out[unrouted] == 0).all()
+
+
+def test_centroids_seeded_and_update_only_in_training():
+    dims = attnlab.HeadDims(2, D)
+    a = attnlab.build_mechanism("routing(num_clusters=3, seed=4)", dims)
+    b = attnlab.build_mechanism("routing(num_clusters=3, seed=4)", dims)
+    c = attnlab.build_mechanism("routing(num_clusters=3, seed=5)", dims)
+    assert torch.equal(a.centroids, b.centroids) and not torch.equal(a.centroids, c.centroids)
+    assert a.centroids.shape == (2, 3, D)
+    torch.testing.assert_close(a.centroids.norm(dim=-1), torch.ones(2, 3))
+    assert "centroids" in a.state_dict()
+    q, k, v = qkv(n=13)
+    before = a.centroids.clone()
+    a.eval()
+    o1 = a(q, k, v, attnlab.AttnContext()).out
+    o2 = a(q, k, v, attnlab.AttnContext()).out
+    assert torch.equal(a.centroids, before) and torch.equal(o1, o2)
+    a.train()
+    a(q, k, v, attnlab.AttnContext())
+    assert not torch.equal(a.centroids, before)
+    torch.testing.assert_close(a.centroids.norm(dim=-1), torch.ones(2, 3))
+
+
+@pytest.mark.parametrize("decay", [0.0, 0.9])
+def test_ema_step_is_the_normalised_mean_of_members(decay):
+    dims = attnlab.HeadDims(2, D)
+    mech = attnlab.build_mechanism(f"routing(num_clusters=3, decay={decay})", dims).train()
+    q, k, v = qkv(n=9)
+    mask = lengths_mask(9, [9, 5, 1])
+    mu = mech.centroids.clone()
+    mech(q, k, v, attnlab.AttnContext(key_mask=mask))
+    x = torch.cat([ln(q), ln(k)], 2) / D**0.5  # [b,h,2n,d]
+    valid = torch.cat([mask, mask], 1)  # self-attention: padded queries skipped too
+    for hh in range(2):
+        for c in range(3):
+            near = torch.einsum("btd,cd->btc", x[:, hh], mu[hh]).argmax(-1) == c  # [b,2n]
+            sel = x[:, hh][near & valid]
+            want = mu[hh, c] if len(sel) == 0 else F.normalize(
+                decay * mu[hh, c] + (1 - decay) * sel.mean(0), dim=-1)
+            torch.testing.assert_close(mech.centroids[hh, c], want, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"num_clusters": 0}, "num_clusters must be >= 1"), ({"window": -1}, "window must be >= 0"),
+    ({"decay": 1.0}, "decay must be in"), ({"eps": 0.0}, "eps must be > 0"),
+])
+def test_bad_specs_are_clear_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        RoutingConfig(**kwargs)
+    spec = "routing(" + ", ".join(f"{k}={v}" for k, v in kwargs.items()) + ")"
+    with pytest.raises(Exception, match=match):
+        attnlab.build_mechanism(spec, attnlab.HeadDims(2, D))
+
+
+def test_refuses_causal():
+    mech = attnlab.build_mechanism("routing(num_clusters=2)", attnlab.HeadDims(2, D))
+    q, k, v = qkv(n=6)
+    with pytest.raises(ValueError, match="causal"):
+        mech(q, k, v, attnlab.AttnContext(causal=True))
+
+
+def test_routing_plan_on_tiny_bert_forward_and_training_step(bert_factory, padded_batch):
+    from attnlab.hf import apply_plan
+
+    model = bert_factory().train()
+    plan = [
+        {"layers": "all", "heads": [0, 2], "mechanism": "routing(num_clusters=3, window=4)"},
+        {"layers": [1], "heads": "all", "mechanism": "routing(num_clusters=2)"},
+    ]
+    report = apply_plan(model, plan)
+    assert report.table[0][0].startswith("routing(") and report.table[0][1] == "softmax"
+    assert report.counts["softmax"] == 4 and sum(report.counts.values()) == 12
+    buffers = {n: b.clone() for n, b in model.named_buffers() if n.endswith("centroids")}
+    assert len(buffers) == 3
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = model(**padded_batch).last_hidden_state
+    assert torch.isfinite(out).all()
+    out.square().mean().backward()
+    grads = [p.grad for n, p in model.named_parameters()
+             if "attention.self.query" in n or "attention.self.key" in n]
+    assert grads and all(g is not None and torch.isfinite(g).all() and g.abs().sum() > 0
+                         for g in grads)
+    for p in model.parameters():
+        assert p.grad is None or torch.isfinite(p.grad).all()
+    opt.step()
+    opt.zero_grad()
+    assert all(not torch.equal(b, dict(model.named_buffers())[n]) for n, b in buffers.items())
+    with torch.no_grad():
+        model.eval()
+        frozen = {n: b.clone() for n, b in model.named_buffers() if n.endswith("centroids")}
+        a = model(**padded_batch).last_hidden_state
+        b = model(**padded_batch).last_hidden_state
+        assert all(torch.equal(b_, dict(model.named_buffers())[n]) for n, b_ in frozen.items())
+    assert torch.isfinite(a).all() and torch.equal(a, b)
+    assert not torch.allclose(a, out.detach())
