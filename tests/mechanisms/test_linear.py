@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from plan_step import train_one_step
 
 import attnlab
 from attnlab.core import RegistryError, causal_mask, resolve_config
@@ -219,28 +220,10 @@ def test_linear_specs_validate():
     "linear(feature_map='relu')", "linear_relu", "linear_elu", "performer(num_features=16)",
 ])
 def test_in_a_plan_on_tiny_bert_forward_and_training_step(spec, bert_factory, padded_batch):
-    from attnlab.hf import apply_plan
-
-    model = bert_factory().train()
-    report = apply_plan(model, [{"layers": "all", "heads": [0, 2], "mechanism": spec},
-                                {"layers": [1], "heads": "all", "mechanism": spec}])
+    report, out, _ = train_one_step(bert_factory(), [
+        {"layers": "all", "heads": [0, 2], "mechanism": spec},
+        {"layers": [1], "heads": "all", "mechanism": spec}], padded_batch)
     assert report.table[1] == [resolve_config(spec).spec()] * 4
     assert report.table[0][1] == "softmax"
-    out = model(**padded_batch).last_hidden_state  # [3,12,32]
-    assert out.shape == (3, 12, 32) and torch.isfinite(out).all()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    before = model.encoder.layer[1].attention.self.query.weight.detach().clone()
-    # a fixed random read-out (the squared mean of a LayerNorm output is nearly constant)
-    readout = torch.randn(out.shape, generator=torch.Generator().manual_seed(0))
-    loss = (out * readout).sum()
-    loss.backward()
-    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    assert any("layer.1.attention.self.query" in n for n in grads)
-    assert all(torch.isfinite(g).all() for g in grads.values())
-    opt.step()
-    assert not torch.equal(model.encoder.layer[1].attention.self.query.weight, before)
-    model.eval()
-    with torch.no_grad():  # eval after a step: deterministic and finite
-        a = model(**padded_batch).last_hidden_state
-        b = model(**padded_batch).last_hidden_state
-    assert torch.isfinite(a).all() and torch.equal(a, b)
+    assert out.shape == (3, 12, 32)  # [b,n,hidden]
+
