@@ -30,16 +30,17 @@ import platform
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from rich.progress import Progress
 
-from ..core import AttnContext, HeadDims, build_mechanism, mechanism_class
+from ..core import AttnContext, AttnOutput, HeadDims, build_mechanism, mechanism_class
 from ..io import write_json
 from ..train.memory import lifetime_peak_rss_mb
+from .peers import build_peer, is_peer, ours_on_one_input
 from .plots import env_title, scaling_plot
 
 SDPA = "sdpa"
@@ -47,7 +48,7 @@ SDPA = "sdpa"
 
 def _spec(mechanism: str, window: int) -> str:
     """``band`` -> ``band(window=128)`` when the config has a window; full specs unchanged."""
-    if "(" in mechanism:
+    if "(" in mechanism or is_peer(mechanism):
         return mechanism
     fields = {f.name for f in dataclasses.fields(mechanism_class(mechanism).config_cls)}
     return f"{mechanism}(window={window})" if "window" in fields else mechanism
@@ -56,11 +57,14 @@ def _spec(mechanism: str, window: int) -> str:
 def measure(
     method: str, n: int, heads: int = 12, head_dim: int = 64, batch: int = 1, repeats: int = 3,
     threads: int | None = None, part: str = "time", device: str = "cpu",
-    dtype: str = "float32",
+    dtype: str = "float32", one_input: bool = False,
 ) -> dict[str, float]:
     """One measurement in *this* process (call it in a fresh one for a valid peak memory).
 
-    ``method`` is "sdpa" (dense ``F.scaled_dot_product_attention``) or a mechanism spec.
+    ``method`` is "sdpa" (dense ``F.scaled_dot_product_attention``), a mechanism spec, or a
+    peer (``hf_...``, see ``bench.peers``; peers imply ``one_input``).
+    ``one_input``: every method gets one leaf x [b, n, h*d] and three copies of it as q, k,
+    v (the layout peers need; use it for every method of a run that has peers).
     ``part="memory"`` returns peak_fwd_mb and peak_mem_mb (forward+backward) from the first
     calls; ``part="time"`` returns the medians fwd_ms and fwdbwd_ms after a warm-up call;
     ``part="both"`` (CUDA only: the allocator's peak statistics need no fresh process)
@@ -69,55 +73,62 @@ def measure(
     if threads:
         torch.set_num_threads(threads)
     peak = DevicePeak(device)
+    one_input = one_input or is_peer(method)
 
-    def make(length: int):
+    def make(length: int) -> list[torch.Tensor]:
         g = torch.Generator().manual_seed(0)
-        shape = (batch, heads, length, head_dim)
+        shapes = ([(batch, length, heads * head_dim)] if one_input
+                  else [(batch, heads, length, head_dim)] * 3)
         return [torch.randn(shape, generator=g).to(device, getattr(torch, dtype))
-                .requires_grad_() for _ in range(3)]
+                .requires_grad_() for shape in shapes]
 
-    if method == SDPA:
-        def run(q, k, v):
-            return F.scaled_dot_product_attention(q, k, v)
-    else:
-        mech = build_mechanism(method, HeadDims(heads, head_dim)).eval()
-        mech = mech.to(device)
+    def runner(length: int) -> Callable[..., torch.Tensor]:
+        if is_peer(method):
+            return build_peer(method, heads, head_dim, length)
+        if method == SDPA:
+            def sdpa(q, k, v, ctx=None):
+                return AttnOutput(F.scaled_dot_product_attention(q, k, v))
+            mech: Any = sdpa
+        else:
+            mech = build_mechanism(method, HeadDims(heads, head_dim)).eval().to(device)
         ctx = AttnContext()
+        if one_input:
+            return ours_on_one_input(mech, ctx, heads, head_dim)
+        return lambda q, k, v: mech(q, k, v, ctx).out
 
-        def run(q, k, v):
-            return mech(q, k, v, ctx).out
-
-    def fwd(q, k, v):
+    def fwd(run, inputs):
         with torch.no_grad():
-            run(q, k, v)
+            run(*inputs)
 
-    def fwdbwd(q, k, v):
-        for t in (q, k, v):
+    def fwdbwd(run, inputs):
+        for t in inputs:
             t.grad = None
-        run(q, k, v).sum().backward()
+        run(*inputs).sum().backward()
 
-    small = make(64)
-    fwd(*small)
-    fwdbwd(*small)  # warm-up: kernels, thread pools, allocator
-    q, k, v = make(n)
+    warm = min(n, 1024) if is_peer(method) else 64  # BigBird needs several blocks
+    small = make(warm)
+    small_run = runner(warm)
+    fwd(small_run, small)
+    fwdbwd(small_run, small)  # warm-up: kernels, thread pools, allocator
+    inputs, run = make(n), runner(n)
     out: dict[str, float] = {}
     if part in ("memory", "both"):
         peak.start()
-        fwd(q, k, v)
+        fwd(run, inputs)
         out["peak_fwd_mb"] = peak.mb()
         peak.start()
-        fwdbwd(q, k, v)
+        fwdbwd(run, inputs)
         out["peak_mem_mb"] = peak.mb()
         if part == "memory":
             return out
 
     def median_ms(fn) -> float:
-        fn(q, k, v)  # warm-up at this size
+        fn(run, inputs)  # warm-up at this size
         times = []
         for _ in range(repeats):
             peak.sync()
             start = time.perf_counter()
-            fn(q, k, v)
+            fn(run, inputs)
             peak.sync()
             times.append((time.perf_counter() - start) * 1000)
         return sorted(times)[len(times) // 2]
@@ -216,7 +227,7 @@ def bench_sparse(
     jobs = [(n, method) for n in ns for method in (SDPA, *specs)]
     rows: list[dict[str, Any]] = []
     common = dict(heads=heads, head_dim=head_dim, batch=batch, repeats=repeats, threads=threads,
-                  device=device, dtype=dtype)
+                  device=device, dtype=dtype, one_input=any(is_peer(s) for s in specs))
 
     def run_all(step) -> None:
         for n, method in jobs:

@@ -1,0 +1,169 @@
+"""Peers in the same benchmark run: other libraries' attention modules at our shapes.
+
+A peer is named like a mechanism spec with an ``hf_`` prefix, e.g.
+``hf_nystromformer(num_landmarks=64)``. Each is the module transformers ships, built from
+a local random config (no download): only its attention core is timed, because its
+query / key / value projections are replaced by copies of one input (``_Copy``), the
+same way ``peer_pair`` feeds our mechanism. Both sides therefore get one leaf tensor
+x [b, n, h*d] whose gradient is the only one computed, and three fresh q, k, v copies
+(what a projection would produce).
+
+Peers (transformers module; parameters; what it computes):
+* ``hf_longformer(window, global_tokens)``: ``LongformerSelfAttention``, one-sided window
+  ``window`` and the first ``global_tokens`` positions global (the key sets of our
+  ``band(window)`` and ``longformer(window, global_tokens=(0, ..))``, tested equal).
+* ``hf_bigbird(block, random_blocks)``: ``BigBirdBlockSparseAttention`` (``block_sparse``).
+* ``hf_nystromformer(num_landmarks, conv_kernel)``: ``NystromformerSelfAttention``.
+* ``hf_reformer_lsh(buckets, chunk, num_hashes)``: ``LSHSelfAttention`` (one chunk before,
+  none after; shared query-key).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..core.spec import parse_spec
+
+PEER_PREFIX = "hf_"
+
+# peer name -> (default parameters, builder)
+_Builder = Callable[[dict[str, Any], int, int, int], Callable[[torch.Tensor], torch.Tensor]]
+
+
+class _Copy(nn.Module):
+    """Stands in for a projection: a fresh copy of the input (or of one slice of it)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+
+def _no_projections(module: nn.Module, *names: str) -> nn.Module:
+    for name in names:
+        setattr(module, name, _Copy())
+    return module.eval()
+
+
+def _longformer(p: dict[str, Any], heads: int, head_dim: int, n: int):
+    from transformers import LongformerConfig
+    from transformers.models.longformer.modeling_longformer import LongformerSelfAttention
+
+    window = int(p["window"])
+    cfg = LongformerConfig(hidden_size=heads * head_dim, num_attention_heads=heads,
+                           attention_window=[2 * window], attention_probs_dropout_prob=0.0)
+    att = _no_projections(LongformerSelfAttention(cfg, layer_id=0), "query", "key", "value")
+    g = int(p.get("global_tokens", 0))
+    if g:
+        _no_projections(att, "query_global", "key_global", "value_global")
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        mask = torch.zeros(x.shape[0], n)  # [b,n]
+        mask[:, :g] = 1.0  # 0 local, > 0 global (the model's convention after its own remap)
+        return att(x, attention_mask=mask, is_index_masked=mask < 0,
+                   is_index_global_attn=mask > 0, is_global_attn=bool(g))[0]
+
+    return run
+
+
+def _bigbird(p: dict[str, Any], heads: int, head_dim: int, n: int):
+    from transformers import BigBirdConfig
+    from transformers.models.big_bird.modeling_big_bird import (
+        BigBirdBlockSparseAttention,
+        BigBirdModel,
+    )
+
+    block = int(p["block"])
+    cfg = BigBirdConfig(hidden_size=heads * head_dim, num_attention_heads=heads,
+                        block_size=block, num_random_blocks=int(p["random_blocks"]),
+                        max_position_embeddings=max(n, 4096), attention_type="block_sparse")
+    att = _no_projections(BigBirdBlockSparseAttention(cfg, seed=0), "query", "key", "value")
+    masks = BigBirdModel.create_masks_for_block_sparse_attn(torch.ones(1, n), block)
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        blocked, band, from_mask, to_mask = (m.expand(x.shape[0], *m.shape[1:]) for m in masks)
+        return att(x, band_mask=band, from_mask=from_mask, to_mask=to_mask,
+                   from_blocked_mask=blocked, to_blocked_mask=blocked)[0]
+
+    return run
+
+
+def _nystromformer(p: dict[str, Any], heads: int, head_dim: int, n: int):
+    from transformers import NystromformerConfig
+    from transformers.models.nystromformer.modeling_nystromformer import (
+        NystromformerSelfAttention,
+    )
+
+    kernel = int(p.get("conv_kernel", 0))
+    cfg = NystromformerConfig(hidden_size=heads * head_dim, num_attention_heads=heads,
+                              num_landmarks=int(p["num_landmarks"]), segment_means_seq_len=n,
+                              conv_kernel_size=kernel or 1, attention_probs_dropout_prob=0.0)
+    att = _no_projections(NystromformerSelfAttention(cfg), "query", "key", "value")
+    if not kernel:  # the config type wants an int; the module skips the conv when None
+        att.conv_kernel_size = None
+        del att.conv
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        return att(x)[0]
+
+    return run
+
+
+def _reformer_lsh(p: dict[str, Any], heads: int, head_dim: int, n: int):
+    from transformers import ReformerConfig
+    from transformers.models.reformer.modeling_reformer import LSHSelfAttention
+
+    cfg = ReformerConfig(hidden_size=heads * head_dim, num_attention_heads=heads,
+                         attention_head_size=head_dim, num_buckets=int(p["buckets"]),
+                         lsh_attn_chunk_length=int(p["chunk"]), num_hashes=int(p["num_hashes"]),
+                         lsh_num_chunks_before=1, lsh_num_chunks_after=0, is_decoder=False,
+                         max_position_embeddings=n, hash_seed=0,
+                         lsh_attention_probs_dropout_prob=0.0)
+    att = _no_projections(LSHSelfAttention(cfg), "query_key", "value")
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        return att(x)[0]
+
+    return run
+
+
+PEERS: dict[str, tuple[dict[str, Any], _Builder]] = {
+    "hf_longformer": ({"window": 64, "global_tokens": 0}, _longformer),
+    "hf_bigbird": ({"block": 64, "random_blocks": 3}, _bigbird),
+    "hf_nystromformer": ({"num_landmarks": 64, "conv_kernel": 0}, _nystromformer),
+    "hf_reformer_lsh": ({"buckets": 64, "chunk": 64, "num_hashes": 1}, _reformer_lsh),
+}
+
+
+def is_peer(method: str) -> bool:
+    return method.startswith(PEER_PREFIX)
+
+
+def build_peer(method: str, heads: int, head_dim: int, n: int
+               ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``run(x [b, n, h*d]) -> [b, n, h*d]`` for a peer spec such as
+    ``hf_nystromformer(num_landmarks=64)``; unknown names or parameters are a ValueError."""
+    name, kwargs = parse_spec(method)
+    if name not in PEERS:
+        raise ValueError(f"unknown peer {name!r}; choose one of {', '.join(sorted(PEERS))}")
+    defaults, builder = PEERS[name]
+    unknown = set(kwargs) - set(defaults)
+    if unknown:
+        raise ValueError(f"unknown parameter(s) {sorted(unknown)} for peer {name!r}; it takes "
+                         f"{', '.join(sorted(defaults))}")
+    return builder({**defaults, **kwargs}, heads, head_dim, n)
+
+
+def ours_on_one_input(mech: nn.Module, ctx: Any, heads: int, head_dim: int
+                      ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Our mechanism fed like a peer: x [b, n, h*d] -> three copies as q, k, v [b,h,n,d]."""
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        heads_view = x.view(b, n, heads, head_dim).transpose(1, 2)  # [b,h,n,d]
+        q, k, v = (heads_view.clone() for _ in range(3))
+        return mech(q, k, v, ctx).out.transpose(1, 2).reshape(b, n, heads * head_dim)
+
+    return run
