@@ -23,6 +23,7 @@ from ..core import (
     masked_softmax,
     register_mechanism,
 )
+from ..core.slicing import over_head_groups
 
 # Score given to a token's own key (Reformer's self-mask; as trax and Hugging Face, a
 # finite value: a token whose window holds no other valid key attends to itself alone,
@@ -244,13 +245,20 @@ class LSH(nn.Module):
             )
         dtype = q.dtype
         work = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-        out, probs = lsh_attention(
-            q.to(work), v.to(work), self.rotations(ctx.layer_idx).to(q.device),
-            buckets=self.cfg.buckets, chunk=self.cfg.chunk, key_mask=ctx.key_mask,
-            scale=ctx.scale_for(d), wrap=self.cfg.wrap, eps=self.cfg.eps,
-            dropout=ctx.dropout, training=self.training, need_weights=ctx.need_weights,
-        )
-        return AttnOutput(out.to(dtype), None if probs is None else probs.to(dtype))
+
+        def heads(qg, vg, rot) -> AttnOutput:  # a group of heads: [b,g,n,d], [g,d,r,buckets/2]
+            out, probs = lsh_attention(
+                qg.to(work), vg.to(work), rot, buckets=self.cfg.buckets, chunk=self.cfg.chunk,
+                key_mask=ctx.key_mask, scale=ctx.scale_for(d), wrap=self.cfg.wrap,
+                eps=self.cfg.eps, dropout=ctx.dropout, training=self.training,
+                need_weights=ctx.need_weights,
+            )
+            return AttnOutput(out.to(dtype), None if probs is None else probs.to(dtype))
+
+        # largest intermediate per head: the window scores [b, r, n, 2C] (and keys [.., 2d])
+        per_head = 4 * q.shape[0] * self.cfg.num_hashes * n * 2 * max(self.cfg.chunk, d)
+        return over_head_groups(heads, (q, v), per_head,
+                                per_head=(self.rotations(ctx.layer_idx).to(q.device),))
 
 
 # ------------------------------------------------------------------ routing (online k-means)

@@ -27,6 +27,7 @@ from ..core import (
     check_qkv,
     register_mechanism,
 )
+from ..core.slicing import over_head_groups
 
 FeatureMap = Literal["elu", "relu"]
 
@@ -173,6 +174,17 @@ def _causal(fq, fk, v, eps: float, chunk: int) -> torch.Tensor:
     return torch.cat([fq.new_zeros(b, h, q0, dv), out], dim=2)  # [b,h,n,dv]
 
 
+def _bytes_per_head(q, k, v, ctx: AttnContext, chunk: int, features: int | None = None
+                    ) -> int:
+    """Size of the largest fp32 intermediate of one head: [b, L, r] features, causal
+    [b, L, C] kernel blocks and [b, L/C, r, dv] chunk states (L = max(n, m))."""
+    b, length = q.shape[0], max(q.shape[2], k.shape[2])
+    r = features or q.shape[-1]
+    width = max(r, v.shape[-1], min(chunk, length) if ctx.causal else 1,
+                r * v.shape[-1] // max(1, chunk) if ctx.causal else 1)
+    return 4 * b * length * width
+
+
 def linear_weights(fq, fk, causal: bool, eps: float) -> torch.Tensor:
     """The normalised phi(q) phi(k)^T matrix [b,h,n,m] (what the O(n) path implicitly uses)."""
     a = fq @ fk.transpose(-1, -2)  # [b,h,n,m]
@@ -207,9 +219,13 @@ class _FeatureMapLinear(nn.Module):
     def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
         check_qkv(q, k, v, self.dims)
         work = _compute_dtype(q.dtype)
-        fq, fk = _features(q.to(work), k.to(work), ctx.key_mask, self.phi)  # [b,h,n|m,d]
-        return _linear_attention(fq, fk, v.to(work), ctx, self.cfg.eps, self.cfg.chunk,
-                                 q.dtype)
+
+        def heads(qg, kg, vg) -> AttnOutput:  # [b,g,n|m,d]: a group of g heads
+            fq, fk = _features(qg.to(work), kg.to(work), ctx.key_mask, self.phi)
+            return _linear_attention(fq, fk, vg.to(work), ctx, self.cfg.eps, self.cfg.chunk,
+                                     q.dtype)
+
+        return over_head_groups(heads, (q, k, v), _bytes_per_head(q, k, v, ctx, self.cfg.chunk))
 
 
 _LINEAR_CAPS = Capabilities(
@@ -409,6 +425,11 @@ class Performer(nn.Module):
         work = _compute_dtype(q.dtype)
         w = self._current_projection(ctx.layer_idx, q.device, work)  # [m,d]
         c = ctx.scale_for(q.shape[-1]) ** 0.5  # d^-1/4 on q and on k
-        fq = favor_features(q.to(work) * c, w)  # [b,h,n,m]
-        fk = favor_features(k.to(work) * c, w, ctx.key_mask, is_query=False)  # [b,h,m,m']
-        return _linear_attention(fq, fk, v.to(work), ctx, 0.0, self.cfg.chunk, q.dtype)
+
+        def heads(qg, kg, vg) -> AttnOutput:  # [b,g,n|m,d]: a group of g heads
+            fq = favor_features(qg.to(work) * c, w)  # [b,g,n,m]
+            fk = favor_features(kg.to(work) * c, w, ctx.key_mask, is_query=False)  # [b,g,m,m]
+            return _linear_attention(fq, fk, vg.to(work), ctx, 0.0, self.cfg.chunk, q.dtype)
+
+        return over_head_groups(heads, (q, k, v), _bytes_per_head(
+            q, k, v, ctx, self.cfg.chunk, self.cfg.num_features))

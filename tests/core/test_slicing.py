@@ -1,0 +1,50 @@
+"""Head-group slicing (core/slicing.py) changes nothing but the size of intermediates:
+outputs, weights and gradients equal the one-group computation (fp32, 1e-6)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnlab
+from attnlab.core import slicing
+from attnlab.core.slicing import head_slices
+
+
+def test_head_slices_cover_every_head_once_within_the_budget():
+    assert head_slices(12, 3 << 20, 8 << 20) == [slice(0, 2), slice(2, 4), slice(4, 6),
+                                                  slice(6, 8), slice(8, 10), slice(10, 12)]
+    assert head_slices(5, 100 << 20, 8 << 20) == [slice(i, i + 1) for i in range(5)]
+    assert head_slices(4, 1, 8 << 20) == [slice(0, 4)]
+
+
+@pytest.mark.parametrize("spec,causal", [
+    (spec, causal) for spec in ("performer(num_features=16)", "linear_relu", "linear_elu")
+    for causal in (False, True)] + [("lsh(buckets=4, chunk=4, num_hashes=2)", False)])
+def test_sliced_heads_equal_one_group(monkeypatch, spec, causal):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 24, 8, generator=g, requires_grad=True) for _ in range(3))
+    mask = torch.ones(2, 24, dtype=torch.bool)
+    mask[1, 17:] = False
+    mech = attnlab.build_mechanism(spec, attnlab.HeadDims(4, 8)).eval()
+
+    def run(budget):
+        monkeypatch.setattr(slicing, "SLICE_BYTES", budget)
+        ctx = attnlab.AttnContext(key_mask=mask, causal=causal, need_weights=True)
+        res = mech(q, k, v, ctx)
+        grads = torch.autograd.grad((res.out * torch.arange(8.0)).sum(), (q, k, v),
+                                    allow_unused=True)  # lsh: shared QK, k unused
+        return res, grads
+
+    whole, whole_grads = run(1 << 30)
+    calls = []
+    monkeypatch.setattr(slicing, "head_slices", lambda *a: calls.append(1) or [
+        slice(i, i + 1) for i in range(4)])
+    sliced, sliced_grads = run(1)  # one head per group
+    assert calls, "the mechanism does not go through over_head_groups"
+    torch.testing.assert_close(sliced.out, whole.out, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(sliced.probs, whole.probs, atol=1e-6, rtol=1e-6)
+    for a, b in zip(sliced_grads, whole_grads, strict=True):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
