@@ -38,6 +38,7 @@ from ..core import (
     register_mechanism,
 )
 from ..core.masks import positions
+from ._gathered import gathered_attention
 
 # family "sparse": the survey files both under extended sparse attention (§3.1.1); this file
 # only splits them off sparse.py for length
@@ -430,10 +431,7 @@ class BPTree(nn.Module):
         idx = torch.cat([tok, span.masked_fill(span < 0, -1 - n) + n], 1)  # [n,T+S] into n+N
         has = idx >= 0
         idx = idx.clamp(min=0)
-        kx = keys[:, :, idx]  # [b,h,n,T+S,d]
-        vx = vals[:, :, idx]  # [b,h,n,T+S,dv]
-        scores = (q[:, :, :, None, :] @ kx.transpose(-1, -2)).squeeze(3) * scale  # [b,h,n,T+S]
         allowed = (has[None] & ok[:, idx])[:, None]  # [b,1,n,T+S]
-        probs = _dropout(masked_softmax(scores, allowed.expand(scores.shape)), p)
-        out = (probs[:, :, :, None, :] @ vx).squeeze(3)  # [b,h,n,dv]
-        return AttnOutput(out)
+        # chunked gathers, recomputed in the backward: O(n*(T+S)) memory, not O(n*(T+S)*d)
+        return AttnOutput(gathered_attention(q, keys, vals, idx, allowed, scale=scale,
+                                             dropout=p))  # [b,h,n,dv]
