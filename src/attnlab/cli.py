@@ -411,6 +411,35 @@ def bench_sparse(
     _plot_bench(rows, plot)
 
 
+@bench_app.command("speed")
+def bench_speed(
+    mechanisms: Annotated[str | None, typer.Option(
+        help="Comma-separated names or specs (default: every registered mechanism; peers "
+             "such as hf_nystromformer may be added).")] = None,
+    n: Annotated[str, typer.Option(help="Comma-separated lengths.")] = (
+        "512,1024,2048,4096,8192,16384"),
+    repeats: int = 3,
+    threads: Annotated[int, typer.Option(help="torch threads per measurement.")] = 1,
+    out: Annotated[str, typer.Option(help="Output folder (rows.jsonl makes it resumable).")
+                   ] = "runs/bench/speed",
+    dense_max_n: Annotated[int, typer.Option(
+        help="Largest n for quadratic mechanisms (their n x n scores).")] = 4096,
+    fit_from: Annotated[int, typer.Option(help="Fit exponents over n >= this.")] = 2048,
+) -> None:
+    """Every mechanism vs dense SDPA: time, peak memory, fitted exponents, chart (resumable)."""
+    from .bench.suite import run_suite
+    from .core.spec import split_top
+
+    names = [m.strip() for m in split_top(mechanisms, ",") if m.strip()] if mechanisms else None
+    with _user_errors():
+        results = run_suite(out, names, tuple(int(x) for x in n.split(",")), repeats=repeats,
+                            threads=threads, dense_max_n=dense_max_n, fit_from=fit_from)
+    from .bench.suite import format_table
+
+    console.print(format_table(results), markup=False)
+    console.print(f"saved {out}/results.json, {out}/table.md, {out}/scaling.png")
+
+
 @bench_app.command("jat")
 def bench_jat(
     lengths: Annotated[str, typer.Option(help="Comma-separated lengths.")] = "128,256,512,1024",

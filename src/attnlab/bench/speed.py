@@ -90,7 +90,8 @@ def measure(
                 return AttnOutput(F.scaled_dot_product_attention(q, k, v))
             mech: Any = sdpa
         else:
-            mech = build_mechanism(method, HeadDims(heads, head_dim)).eval().to(device)
+            mech = build_mechanism(method, HeadDims(heads, head_dim, max_len=length)
+                                   ).eval().to(device)  # max_len: Linformer's E, F
         ctx = AttnContext()
         if one_input:
             return ours_on_one_input(mech, ctx, heads, head_dim)

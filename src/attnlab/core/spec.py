@@ -211,3 +211,26 @@ def split_spec(spec: str | Mapping[str, Any] | object, kind: str, example: str
             raise RegistryError(f"{kind} mapping {dict(spec)!r} needs a 'name' key")
         return kwargs.pop("name"), kwargs
     raise TypeError(f"{kind} spec must be a string, mapping or config, got {type(spec)}")
+
+
+def split_top(text: str, sep: str, maxsplit: int = -1) -> list[str]:
+    """Split on ``sep`` outside brackets and quotes (specs contain commas, colons in strings)."""
+    parts: list[str] = []
+    cur: list[str] = []
+    depth, quote = 0, ""
+    for ch in text:
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == sep and depth == 0 and (maxsplit < 0 or len(parts) < maxsplit):
+            parts.append("".join(cur))
+            cur = []
+            continue
+        cur.append(ch)
+    parts.append("".join(cur))
+    return parts

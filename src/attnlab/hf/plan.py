@@ -36,6 +36,7 @@ from typing import Any, Literal
 import yaml
 
 from ..core import MechanismConfig, RegistryError, resolve_config, unknown_parameter
+from ..core.spec import split_top
 
 All = Literal["all"]
 Indices = All | tuple[int, ...]
@@ -173,32 +174,9 @@ def _rule_from_mapping(raw: Mapping[str, Any], pos: int) -> Rule:
     return Rule(layers, heads, mech)
 
 
-def _split_top(text: str, sep: str, maxsplit: int = -1) -> list[str]:
-    """Split on ``sep`` outside brackets and quotes (specs contain commas, colons in strings)."""
-    parts: list[str] = []
-    cur: list[str] = []
-    depth, quote = 0, ""
-    for ch in text:
-        if quote:
-            quote = "" if ch == quote else quote
-        elif ch in "'\"":
-            quote = ch
-        elif ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            depth -= 1
-        elif ch == sep and depth == 0 and (maxsplit < 0 or len(parts) < maxsplit):
-            parts.append("".join(cur))
-            cur = []
-            continue
-        cur.append(ch)
-    parts.append("".join(cur))
-    return parts
-
-
 def _rule_from_compact(text: str, pos: int) -> Rule:
     """``"0-2:all:band(window=8)"``; a bare ``"band(window=8)"`` means all layers, all heads."""
-    fields = _split_top(text.strip(), ":", maxsplit=2)
+    fields = split_top(text.strip(), ":", maxsplit=2)
     if len(fields) == 1:
         fields = ["all", "all", fields[0]]
     elif len(fields) != 3:
@@ -267,7 +245,7 @@ class Plan:
             except yaml.YAMLError as e:
                 raise PlanError(f"cannot parse the plan as JSON/YAML: {e}") from None
             return cls.parse(data if data is not None else [])
-        return cls(tuple(_rule_from_compact(p, i) for i, p in enumerate(_split_top(s, ";"))
+        return cls(tuple(_rule_from_compact(p, i) for i, p in enumerate(split_top(s, ";"))
                          if p.strip()))
 
     # -- resolution ----------------------------------------------------------------------

@@ -393,7 +393,8 @@ class Performer(nn.Module):
 
     example: ClassVar[str] = "performer(num_features=16)"
     caps: ClassVar[Capabilities] = Capabilities(
-        family="linear", paper="Choromanski et al. 2021", exact=False, complexity="O(n*m*d)",
+        family="linear", paper="Choromanski et al. 2021", exact=False,
+        complexity="O(n*r*d), r = num_features",
     )
 
     def __init__(self, cfg: PerformerConfig, dims: HeadDims) -> None:

@@ -1,0 +1,217 @@
+"""``attnlab bench speed``: every registered mechanism against dense SDPA, one table of record.
+
+Each (mechanism, n) pair is measured by ``bench.speed`` (fresh subprocesses: peak memory
+from the resident-set high-water mark, then the median time of the repeats, forward and
+forward+backward), with SDPA at every n in the same run as the ratio base. Rows are
+appended to ``rows.jsonl`` in the output folder as they finish, so an interrupted run
+resumes where it stopped (rows measured with other settings are not reused). At the end:
+``results.json`` (environment, rows, fitted exponents), ``table.md`` and ``scaling.png``.
+
+Mechanisms of scope "module" (they replace the host's projections, e.g. ``mqa``) are
+not attention-alone measurements and are left out of the default list; a mechanism that
+needs the host's maximum length (Linformer's E, F) is built with max_len = n.
+Quadratic mechanisms (the complexity they declare has n*m, n^2 or "dense") run only up to
+``dense_max_n``: beyond it their [b, h, n, n] scores would not fit in memory. Exponents are
+least-squares slopes of log time against log n over the lengths >= ``fit_from``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.progress import Progress
+
+from ..core import list_mechanisms, mechanism_class
+from ..io import atomic_write, write_json
+from .peers import is_peer
+from .speed import SDPA, _measure_in_subprocess, environment
+
+DEFAULT_NS = (512, 1024, 2048, 4096, 8192, 16384)
+
+# Settings at long lengths where a mechanism's defaults are not the usual long-input ones.
+# A mechanism missing here runs with its defaults (its bare name).
+BENCH_SPECS = {
+    "axial": "axial(cols=64)",
+    "band": "band(window=128)",
+    "bp_tree": "bp_tree(window=8, k=2)",
+    "dilated": "dilated(window=64, dilation=2)",
+    "block_local": "block_local(block=128)",
+    "longformer": "longformer(window=128, global_tokens=(0,))",
+    "lsh": "lsh(buckets=32, chunk=64, num_hashes=2)",
+    "routing": "routing(num_clusters=16)",
+    "performer": "performer(num_features=64)",
+}
+
+
+def bench_spec(name: str) -> str:
+    return BENCH_SPECS.get(name, name)
+
+
+def is_quadratic(name: str) -> bool:
+    """Whether a mechanism's declared complexity grows as n*m (dense scores)."""
+    if name == SDPA or is_peer(name):
+        return False
+    spec_name = name.split("(")[0]
+    c = mechanism_class(spec_name).caps.complexity
+    return "n*m" in c or "n^2" in c or "dense" in c
+
+
+def _key(row: dict[str, Any]) -> tuple:
+    return (row["method"], row["n"], row["repeats"], row["threads"], row["heads"],
+            row["head_dim"], row["batch"])
+
+
+def _read_rows(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line cut by an interruption: measured again
+    return rows
+
+
+def fit_exponent(points: Sequence[tuple[int, float]]) -> float | None:
+    """Least-squares slope of log t against log n (None with fewer than two points)."""
+    pts = [(math.log(n), math.log(t)) for n, t in points if t and t > 0]
+    if len(pts) < 2:
+        return None
+    mx = sum(x for x, _ in pts) / len(pts)
+    my = sum(y for _, y in pts) / len(pts)
+    sxx = sum((x - mx) ** 2 for x, _ in pts)
+    return sum((x - mx) * (y - my) for x, y in pts) / sxx if sxx else None
+
+
+def run_suite(
+    out: str | Path,
+    mechanisms: Sequence[str] | None = None,
+    ns: Sequence[int] = DEFAULT_NS,
+    *,
+    repeats: int = 3,
+    threads: int = 1,
+    heads: int = 12,
+    head_dim: int = 64,
+    batch: int = 1,
+    dense_max_n: int = 4096,
+    fit_from: int = 2048,
+    progress: bool = True,
+    measure: Callable[..., dict[str, float]] | None = None,
+) -> dict[str, Any]:
+    """Measure ``mechanisms`` (names or specs; default: every registered one, with
+    ``bench_spec`` settings) and SDPA at each n; write the output folder; return the results
+    (``environment``, ``rows``, ``exponents``)."""
+    measure = measure or _measure_both
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    names = list(mechanisms) if mechanisms else [
+        m for m in list_mechanisms() if mechanism_class(m).caps.scope != "module"]
+    specs = [m if "(" in m or is_peer(m) else bench_spec(m) for m in names]
+    common = dict(repeats=repeats, threads=threads, heads=heads, head_dim=head_dim,
+                  batch=batch)
+    jobs = [(method, n) for n in ns for method in dict.fromkeys([SDPA, *specs])
+            if not (is_quadratic(method) and n > dense_max_n)]
+    log = out / "rows.jsonl"
+    done = {_key(r): r for r in _read_rows(log)}
+    todo = [(m, n) for m, n in jobs if _key({"method": m, "n": n, **common}) not in done]
+
+    def run_all(step: Callable[[str], None]) -> None:
+        for method, n in todo:
+            try:
+                res = measure(method=method, n=n, **common)
+                row = {"method": method, "n": n, **common, **res}
+            except RuntimeError as e:  # one failing mechanism does not stop the table
+                row = {"method": method, "n": n, **common, "error": str(e).splitlines()[-1]}
+            with log.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+            done[_key(row)] = row
+            step(f"{method} n={n}")
+
+    if progress and todo:
+        with Progress(transient=True) as bar:
+            task = bar.add_task("bench speed", total=len(todo))
+            run_all(lambda desc: bar.update(task, advance=1, description=desc))
+    else:
+        run_all(lambda desc: None)
+    rows = [done[_key({"method": m, "n": n, **common})] for m, n in jobs]
+    results = summarise(rows, fit_from)
+    results["environment"] = environment(threads)
+    results["command_settings"] = {**common, "dense_max_n": dense_max_n, "fit_from": fit_from,
+                                   "ns": list(ns)}
+    write_json(out / "results.json", results)
+    atomic_write(out / "table.md", format_table(results))
+    ok = [r for r in results["rows"] if "error" not in r]
+    if ok:
+        from .plots import env_title, scaling_plot
+
+        labels = {m: f"{m} (n^{e:.2f})" for m, e in results["exponents"].items()
+                  if e is not None}
+        scaling_plot([{**r, "method": labels.get(r["method"], r["method"])} for r in ok],
+                     out / "scaling.png", title=env_title(results["environment"]),
+                     subject="one attention layer vs dense SDPA")
+    return results
+
+
+def _measure_both(**kwargs: Any) -> dict[str, float]:
+    mem = _measure_in_subprocess(part="memory", **kwargs)
+    return {**_measure_in_subprocess(part="time", **kwargs), **mem}
+
+
+def summarise(rows: list[dict[str, Any]], fit_from: int) -> dict[str, Any]:
+    """Ratios against SDPA at the same n and each method's fitted exponent."""
+    base = {r["n"]: r for r in rows if r["method"] == SDPA and "error" not in r}
+    out_rows = []
+    for r in rows:
+        r = dict(r)
+        ref = base.get(r["n"])
+        if ref is not None and "error" not in r:
+            r["fwd_speedup"] = ref["fwd_ms"] / r["fwd_ms"]
+            r["fwdbwd_speedup"] = ref["fwdbwd_ms"] / r["fwdbwd_ms"]
+            r["mem_ratio"] = r["peak_mem_mb"] / max(ref["peak_mem_mb"], 1e-9)
+        out_rows.append(r)
+    exponents = {}
+    for method in dict.fromkeys(r["method"] for r in out_rows):
+        pts = [(r["n"], r["fwdbwd_ms"]) for r in out_rows
+               if r["method"] == method and "error" not in r and r["n"] >= fit_from]
+        exponents[method] = fit_exponent(pts)
+    return {"rows": out_rows, "exponents": exponents}
+
+
+def format_table(results: dict[str, Any]) -> str:
+    """Markdown: forward+backward ms per n with the ratio to SDPA, peak MB at the largest
+    n each method ran, and the fitted exponent."""
+    rows = results["rows"]
+    ns = sorted({r["n"] for r in rows})
+    head = ("| method | " + " | ".join(f"{n}" for n in ns)
+            + " | exponent | peak MB (n) | memory vs SDPA |\n"
+            + "|---|" + "---:|" * (len(ns) + 3) + "\n")
+    lines = []
+    for method in dict.fromkeys(r["method"] for r in rows):
+        mine = {r["n"]: r for r in rows if r["method"] == method}
+        cells = []
+        for n in ns:
+            r = mine.get(n)
+            if r is None:
+                cells.append("-")
+            elif "error" in r:
+                cells.append("error")
+            else:
+                ratio = f" ({r['fwdbwd_speedup']:.2f}x)" if "fwdbwd_speedup" in r else ""
+                cells.append(f"{r['fwdbwd_ms']:.0f}{ratio}")
+        ran = [r for r in mine.values() if "error" not in r]
+        last = max(ran, key=lambda r: r["n"]) if ran else None
+        e = results["exponents"].get(method)
+        peak = f"{last['peak_mem_mb']:.0f} ({last['n']})" if last else "-"
+        mem = f"{last['mem_ratio']:.2f}x" if last and "mem_ratio" in last else "-"
+        lines.append(f"| `{method}` | " + " | ".join(cells)
+                     + f" | {'-' if e is None else f'{e:.2f}'} | {peak} | {mem} |\n")
+    errors = [f"- `{r['method']}` at n = {r['n']}: {r['error']}\n" for r in rows if "error" in r]
+    note = ("\nForward+backward ms (speed-up vs SDPA at the same n); exponent: least-squares "
+            "slope of log time on log n; '-': not run (quadratic beyond dense_max_n).\n")
+    return head + "".join(lines) + note + ("".join(errors) if errors else "")

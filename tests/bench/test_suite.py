@@ -1,0 +1,76 @@
+"""``attnlab bench speed`` (bench/suite.py): jobs, resume, quadratic cut-off, exponent fit and
+table, with a stand-in measurement (t = n^e) so that no subprocess runs; one real tiny run
+through the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from attnlab.bench.suite import fit_exponent, is_quadratic, run_suite
+from attnlab.cli import app
+
+
+def fake(calls):
+    def measure(method, n, **kw):
+        calls.append((method, n))
+        e = 2.0 if method == "sdpa" else 1.0
+        return {"fwd_ms": n**e / 1e3, "fwdbwd_ms": 3 * n**e / 1e3, "peak_fwd_mb": n / 100,
+                "peak_mem_mb": n / 50 if method == "sdpa" else n / 100}
+    return measure
+
+
+def test_exponents_ratios_and_quadratic_cutoff(tmp_path):
+    calls = []
+    res = run_suite(tmp_path, ["band", "softmax"], (1024, 2048, 4096, 8192), dense_max_n=2048,
+                    fit_from=2048, progress=False, measure=fake(calls))
+    assert ("softmax", 4096) not in calls and ("softmax", 2048) in calls  # quadratic cut
+    assert ("band(window=128)", 8192) in calls  # the long-input setting of band
+    assert res["exponents"]["sdpa"] == pytest.approx(2.0)
+    assert res["exponents"]["band(window=128)"] == pytest.approx(1.0)
+    row = next(r for r in res["rows"] if r["method"] == "band(window=128)" and r["n"] == 4096)
+    assert row["fwdbwd_speedup"] == pytest.approx(4096.0) and row["mem_ratio"] == 0.5
+    table = (tmp_path / "table.md").read_text()
+    assert "| `band(window=128)` |" in table and "| 1.00 |" in table
+    assert (tmp_path / "scaling.png").stat().st_size > 0
+    assert json.loads((tmp_path / "results.json").read_text())["exponents"]
+
+
+def test_resume_measures_only_what_is_missing(tmp_path):
+    first = []
+    run_suite(tmp_path, ["band"], (512, 1024), progress=False, measure=fake(first))
+    lines = (tmp_path / "rows.jsonl").read_text().splitlines()
+    (tmp_path / "rows.jsonl").write_text("\n".join(lines[:-1]) + '\n{"cut')  # interrupted
+    again = []
+    run_suite(tmp_path, ["band"], (512, 1024), progress=False, measure=fake(again))
+    assert again == [first[-1]]
+    other = []  # other settings are not reused
+    run_suite(tmp_path, ["band"], (512,), repeats=5, progress=False, measure=fake(other))
+    assert len(other) == 2
+
+
+def test_a_failing_mechanism_is_reported_not_fatal(tmp_path):
+    def measure(method, n, **kw):
+        if method != "sdpa":
+            raise RuntimeError("benchmark subprocess failed:\nValueError: boom")
+        return fake([])(method, n)
+
+    res = run_suite(tmp_path, ["band"], (512,), progress=False, measure=measure)
+    assert "boom" in (tmp_path / "table.md").read_text()
+    assert res["exponents"]["band(window=128)"] is None
+
+
+def test_helpers():
+    assert fit_exponent([(1000, 1.0), (2000, 4.0), (4000, 16.0)]) == pytest.approx(2.0)
+    assert fit_exponent([(1000, 1.0)]) is None
+    assert is_quadratic("softmax") and is_quadratic("sparse_transformer")
+    assert not is_quadratic("band(window=8)") and not is_quadratic("performer")
+
+
+def test_cli_runs_a_tiny_table(tmp_path):
+    res = CliRunner().invoke(app, ["bench", "speed", "--mechanisms", "linear_relu",
+                                   "--n", "128", "--repeats", "1", "--out", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    assert "`linear_relu`" in res.output and (tmp_path / "rows.jsonl").is_file()
