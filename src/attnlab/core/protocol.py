@@ -131,6 +131,16 @@ class Mechanism(Protocol):
       sparse at the contract tests' lengths (n <= 64, h = 4, d = 8); the contract tests
       (tests/mechanisms/test_contract.py) build every registered mechanism from it, and fail
       for a mechanism without one. The bare name when the defaults already fit.
+
+    Optional class-level hook, for parameters shared across layers:
+    tie(instances: Sequence[nn.Module]) -> None, a classmethod. Surgery builds one instance
+    per layer (and head group); right after building, ``apply_plan`` calls ``tie`` once per
+    distinct config with every instance built from that config, in layer order, and the
+    hook makes them share parameters by assigning one instance's ``nn.Parameter`` to the
+    others (Linformer's ``share="layerwise"``). Shared parameters train once (their
+    gradient sums every layer's), count once in ``SurgeryReport.params_added``, are
+    written once by ``attnlab.save_pretrained`` and are tied again on reload (the reload
+    re-applies the plan, which calls the hook).
     """
 
     caps: ClassVar[Capabilities]

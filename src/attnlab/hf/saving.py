@@ -8,8 +8,9 @@ are written atomically (:mod:`attnlab.io`).
 ``load_pretrained(path)`` rebuilds the architecture from ``config.json`` (no download),
 re-applies the saved plan, then loads the safetensors weights *strictly*: mechanism
 parameters and shrunk K/V projections included, nothing missing, nothing unexpected (tied
-weights, which Hugging Face saves once, are the only keys allowed to be absent). It returns
-the model only; a tokenizer saved alongside loads with
+weights, saved once, are the only keys allowed to be absent: Hugging Face's tied embeddings
+and mechanism parameters shared across layers, ``Mechanism.tie``, which the re-applied plan
+ties again). It returns the model only; a tokenizer saved alongside loads with
 ``transformers.AutoTokenizer.from_pretrained(path)``.
 
 A folder saved this way also opens with plain ``AutoModel.from_pretrained`` only if the plan
@@ -31,6 +32,7 @@ from torch import nn
 from transformers import AutoConfig, PreTrainedModel
 
 from ..io import atomic_write
+from .backend import LAYER_ATTR
 from .plan import Plan
 from .surgery import SurgeryError, applied_report, apply_plan
 
@@ -45,7 +47,8 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, tokenizer: Any = 
     """
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)  # type: ignore[operator]  # HF method, nn.Module-typed model
+    # HF method, nn.Module-typed model; state_dict=None is its default (model.state_dict())
+    model.save_pretrained(out, state_dict=_state_without_tied_copies(model))  # type: ignore[operator]
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
     report = applied_report(model)
@@ -54,6 +57,29 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, tokenizer: Any = 
     surgery: dict[str, Any] = report.to_dict() if report is not None else {"max_len": None}
     atomic_write(out / SURGERY_FILE, json.dumps(surgery, indent=2))
     return out
+
+
+def _state_without_tied_copies(model: nn.Module) -> dict[str, torch.Tensor] | None:
+    """The state dict without the second and later names of each mechanism parameter that
+    several layers share (``Mechanism.tie``, e.g. Linformer's layerwise E); None when none
+    is shared. safetensors stores no aliased tensors, and Hugging Face's save refuses shared
+    tensors that are not its own tied embeddings. The reload re-applies the plan, which ties
+    them again, and then fills the shared parameter from its first name."""
+    first: dict[int, str] = {}
+    copies = []
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if f".{LAYER_ATTR}." not in f".{name}":
+            continue
+        if id(p) in first:
+            copies.append(name)
+        else:
+            first[id(p)] = name
+    if not copies:
+        return None
+    state = model.state_dict()
+    for name in copies:
+        del state[name]
+    return state
 
 
 def _auto_class(config, auto_class):

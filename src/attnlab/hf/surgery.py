@@ -239,7 +239,21 @@ def _build(plan: Plan, host: Host, layers, max_len: int | None):
                 ) from None
             mechs.append((hs, mech.to(device=ref.device, dtype=ref.dtype)))
         built[layer] = mechs
+    _tie(built)
     return built
+
+
+def _tie(built) -> None:
+    """Call each mechanism class's optional ``tie(instances)`` once per config with every
+    instance built from it, in layer order (cross-layer parameter sharing; see Mechanism)."""
+    by_cfg: dict[MechanismConfig, list[nn.Module]] = {}
+    for mechs in built.values():
+        for _, mech in mechs:
+            by_cfg.setdefault(mech.cfg, []).append(mech)
+    for instances in by_cfg.values():
+        tie = getattr(type(instances[0]), "tie", None)
+        if tie is not None:
+            tie(instances)
 
 
 def _shrink_linear(lin: nn.Linear, heads_now: int, kv_heads: int, head_dim: int) -> nn.Linear:
@@ -316,6 +330,7 @@ def apply_plan(model: nn.Module, plan: Any, *, max_len: int | None = None) -> Su
     switch_to_attnlab(model, host)
     holder = ForwardState()
     params_added = params_removed = 0
+    counted: set[int] = set()
     kv_by_layer: dict[int, int] = {}
     for layer, attn in enumerate(host.attention):
         groups = built[layer]
@@ -332,7 +347,8 @@ def apply_plan(model: nn.Module, plan: Any, *, max_len: int | None = None) -> Su
             kv_by_layer[layer] = kv
         new = AttnlabLayer(layer, host.num_heads, groups, holder, kv_heads=kv)
         setattr(attn, LAYER_ATTR, new)
-        params_added += sum(p.numel() for p in new.parameters())
+        params_added += sum(p.numel() for p in new.parameters() if id(p) not in counted)
+        counted.update(id(p) for p in new.parameters())  # tied parameters count once
     install_reset_hook(host.base, holder)
 
     report = SurgeryReport(
