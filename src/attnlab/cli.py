@@ -120,10 +120,10 @@ def _mechanism_table(rows: list[dict]) -> Table:
     table.add_column("name", no_wrap=True)
     table.add_column("family", no_wrap=True, min_width=8)
     table.add_column("scope", no_wrap=True)
-    table.add_column("exact", no_wrap=True, min_width=6)
+    table.add_column("exact", no_wrap=True)
     table.add_column("causal", no_wrap=True)
-    table.add_column("complexity", overflow="fold", min_width=14, ratio=1)
-    table.add_column("paper", overflow="fold", min_width=15, ratio=1)
+    table.add_column("complexity", overflow="fold", min_width=12)
+    table.add_column("paper", overflow="fold", min_width=15)
     for r in rows:
         table.add_row(
             r["name"], r["family"], r["scope"], "yes" if r["exact"] else "no",
