@@ -1,9 +1,11 @@
-"""The mechanisms of the survey map's §3.1-3.2 inside the embedded all-MiniLM-L6-v2: one
-plan puts each on two heads of its own layer; the model runs, trains one step with finite
-gradients, and the demo prints its comparison with the untouched model."""
+"""The mechanisms of the survey map's §3.1-3.4 inside the embedded all-MiniLM-L6-v2: one
+plan per part puts each on two heads of a layer (layer-scope ones on a whole layer); the
+model runs, trains one step with finite gradients, and the demo prints its comparison with
+the untouched model."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from typer.testing import CliRunner
 
@@ -20,13 +22,30 @@ RULES = [
     "5:2,3:routing(num_clusters=2)",
     "4:2,3:sac(k=4)",
 ]
+# §3.3-3.4: prototype queries, compressed memory, low rank
+RULES_33_34 = [
+    "0:0,1:clustered(clusters=4, bits=16, iterations=3)",
+    "0:2,3:improved_clustered(clusters=4, bits=16, iterations=3, topk=4)",
+    "1:0,1:probsparse(factor=1)",
+    "1:2,3:mca(compression=2)",
+    "2:0,1:isab(num_inducing=4)",
+    "2:2,3:poolingformer(window=2, window2=8, pool_size=2)",
+    "3:all:luna(num_memory=4)",
+    "4:0,1:linformer(k=8)",
+    "4:2,3:lowrank_band(rank=4, window=2)",
+    "5:0,1:nystrom(num_landmarks=4, conv_kernel=3)",
+    "5:2,3:csalr(num_landmarks=4)",
+]
+PARTS = {"3.1-3.2": RULES, "3.3-3.4": RULES_33_34}
 
 
-def test_new_mechanisms_train_one_step_in_minilm():
+@pytest.mark.parametrize("part", sorted(PARTS))
+def test_new_mechanisms_train_one_step_in_minilm(part):
+    rules = PARTS[part]
     model, tok = attnlab.load_default_model("sequence-classification", num_labels=2)
-    report = attnlab.apply_plan(model, attnlab.Plan.parse(RULES))
+    report = attnlab.apply_plan(model, attnlab.Plan.parse(rules))
     assert {spec.split("(")[0] for row in report.table for spec in row} >= {
-        "performer", "linear_relu", "axial", "bp_tree", "lsh", "routing", "sac"}
+        rule.split(":")[2].split("(")[0] for rule in rules}
     batch = tok(["a short sentence", "another, somewhat longer sentence for the batch"],
                 padding=True, return_tensors="pt")
     model.train()
@@ -37,9 +56,10 @@ def test_new_mechanisms_train_one_step_in_minilm():
     assert grads and all(torch.isfinite(g).all() for g in grads)
 
 
-def test_demo_prints_the_comparison_for_the_new_mechanisms():
+@pytest.mark.parametrize("part", sorted(PARTS))
+def test_demo_prints_the_comparison_for_the_new_mechanisms(part):
     args = ["demo", "--repeats", "1"]
-    for rule in RULES:
+    for rule in PARTS[part]:
         args += ["-p", rule]
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output
