@@ -20,6 +20,7 @@ from rich.table import Table
 
 from .cli_analyze import analyze_app, report
 from .cli_data import app as data_app
+from .cli_tlm import tlm_app
 
 app = typer.Typer(
     help="attnlab: attention mechanisms in any head of any Hugging Face encoder.",
@@ -482,6 +483,7 @@ def _check_device(device: str) -> None:
 
 app.add_typer(analyze_app, name="analyze")
 app.add_typer(data_app, name="data")
+app.add_typer(tlm_app, name="tlm")
 app.command("report")(report)
 
 
