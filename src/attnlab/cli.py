@@ -110,26 +110,27 @@ def ls(
     console.print(_mechanism_table(rows))
 
 
-def _mechanism_table(rows: list[dict]) -> Table:
-    """The ``attnlab ls`` table, laid out to fit 80 columns: the short fields (name, family,
-    scope, exact, causal) never wrap; the descriptions (complexity, paper) wrap at word
-    boundaries and share whatever width is left, so a wider terminal gives them one line."""
+def _mechanism_table(rows: list[dict], width: int | None = None) -> Table:
+    """The ``attnlab ls`` table, laid out to fit the terminal (80 columns and up): the short
+    fields (name, family, scope, and exact / causal from 100 columns on) never wrap; the
+    descriptions (complexity, paper) wrap at word boundaries and share the width left, so a
+    wider terminal gives them one line. ``--json`` and ``--markdown`` always have every field."""
     from rich import box
 
+    flags = (width or console.width) >= 100
     table = Table(title=f"attnlab mechanisms ({len(rows)})", box=box.SIMPLE_HEAD,
                   show_edge=False, pad_edge=False, padding=(0, 0))
     table.add_column("name", no_wrap=True)
     table.add_column("family", no_wrap=True, min_width=8)
     table.add_column("scope", no_wrap=True)
-    table.add_column("exact", no_wrap=True)
-    table.add_column("causal", no_wrap=True)
-    table.add_column("complexity", overflow="fold", min_width=12)
+    if flags:
+        table.add_column("exact", no_wrap=True)
+        table.add_column("causal", no_wrap=True)
+    table.add_column("complexity", overflow="fold", min_width=16)
     table.add_column("paper", overflow="fold", min_width=15)
     for r in rows:
-        table.add_row(
-            r["name"], r["family"], r["scope"], "yes" if r["exact"] else "no",
-            "yes" if r["causal_ok"] else "no", r["complexity"], r["paper"],
-        )
+        marks = ("yes" if r["exact"] else "no", "yes" if r["causal_ok"] else "no") if flags else ()
+        table.add_row(r["name"], r["family"], r["scope"], *marks, r["complexity"], r["paper"])
     return table
 
 

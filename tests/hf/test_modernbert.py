@@ -25,6 +25,7 @@ import attnlab
 from attnlab.core import mechanism_class
 from attnlab.hf import apply_plan, fused, inspect_model
 from attnlab.hf import backend as hf_backend
+from attnlab.hf.surgery import SurgeryError
 
 LENGTHS = (16, 9, 3)
 
@@ -222,9 +223,15 @@ def test_every_registered_mechanism_can_replace_a_modernbert_head(batch):
         model = make_modernbert().train()
         scope = mechanism_class(name).caps.scope
         heads = "1,3" if scope == "head" else "all"
+        rule = f"0-1:{heads}:{mechanism_class(name).example}"  # global + local layers
+        if hasattr(mechanism_class(name), "adopt_projections"):  # replaces Q and K: refused
+            with pytest.raises(SurgeryError, match="fused Q/K/V projection"):
+                apply_plan(model, rule)
+            continue
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the window and linformer's k >= n notes
-            apply_plan(model, f"0-1:{heads}:{name}")  # one global and one local layer
+            # its example spec: defaults may need per-batch inputs (camtl_prior's task id)
+            apply_plan(model, rule)
             out = model(**batch).last_hidden_state
         assert torch.isfinite(out[real]).all(), name
         out[real].square().mean().backward()

@@ -134,10 +134,14 @@ def test_finite_gradients(name):
     loss = res.out.square().sum() + (res.aux_loss if res.aux_loss is not None else 0.0)
     loss.backward()
     read = (q, v) if mech.caps.shared_qk else (q, k, v)  # shared QK: k is not read
+    if not mech.caps.reads_qk:
+        read = (v,)  # position-only weights: neither q nor k is read
     for t in read:
         assert t.grad is not None and torch.isfinite(t.grad).all()
     if mech.caps.shared_qk:
         assert k.grad is None
+    if not mech.caps.reads_qk:
+        assert q.grad is None and k.grad is None
     for p in mech.parameters():
         if p.requires_grad and p.grad is not None:
             assert torch.isfinite(p.grad).all()

@@ -183,5 +183,6 @@ def test_spec_strings_parse_and_validate():
 
 def test_caps():
     caps = attnlab.core.mechanism_class("performer").caps
-    assert (caps.family, caps.exact, caps.complexity) == ("linear", False, "O(n*r*d), r = num_features")
+    assert (caps.family, caps.exact) == ("linear", False)
+    assert caps.complexity == "O(n*r*d), r = num_features"
     assert caps.causal_ok and caps.key_mask_ok and caps.scope == "head"

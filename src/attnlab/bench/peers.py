@@ -21,7 +21,7 @@ Peers (transformers module; parameters; what it computes):
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -102,7 +102,7 @@ def _nystromformer(p: dict[str, Any], heads: int, head_dim: int, n: int):
                               conv_kernel_size=kernel or 1, attention_probs_dropout_prob=0.0)
     att = _no_projections(NystromformerSelfAttention(cfg), "query", "key", "value")
     if not kernel:  # the config type wants an int; the module skips the conv when None
-        att.conv_kernel_size = None
+        cast(Any, att).conv_kernel_size = None  # a plain attribute, not a Tensor/Module
         del att.conv
 
     def run(x: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,10 @@ from .spec import config_dict, config_spec
 
 Scope = Literal["head", "layer", "module"]
 
+# AttnContext.extras key: the batch's task id(s), an int or an int tensor [b] (task-conditioned
+# mechanisms such as camtl_prior; the Hugging Face backend fills it, attnlab.hf.set_task_id).
+TASK_ID = "task_id"
+
 
 @dataclass(frozen=True, kw_only=True)
 class MechanismConfig:
@@ -66,12 +70,19 @@ class Capabilities:
     complexity: time complexity in the shape glossary, e.g. "O(n*w)".
     kv_heads: for scope "module" mechanisms that shrink K/V projections, the number of
       K/V heads the host projections are reduced to (1 for multi-query attention).
+    head_dims: for scope "module" mechanisms that re-size the heads, (dk, dv): the per-head
+      sizes the host's Q/K projections and V projection (and the output projection's input)
+      are re-sized to (``head_size``). A config-dependent value (``kv_heads`` of ``gqa``,
+      ``head_dims``) is declared on the instance, which surgery reads after building it.
     keys_are_tokens: key j must be token j of the query sequence (n == m): position
       patterns, length-sized projections, jump graphs. Extra keys that are not tokens
       (prefix tuning's virtual keys) would silently shift the pattern, so tuners that add
       them refuse such plans.
     shared_qk: the keys are the (normalised) queries, the host's k is not read (Reformer's
       LSH attention); its K projection then gets no gradient from these heads.
+    reads_qk: False when neither q nor k is read (the weights depend on positions only, as in
+      hard-coded Gaussian attention); the host's Q and K projections then get no gradient
+      from these heads.
     """
 
     family: str
@@ -85,6 +96,8 @@ class Capabilities:
     kv_heads: int | None = None
     keys_are_tokens: bool = False
     shared_qk: bool = False
+    head_dims: tuple[int, int] | None = None
+    reads_qk: bool = True
 
 
 @dataclass
@@ -98,6 +111,7 @@ class AttnContext:
     state: per-forward dict shared by all layers (RealFormer passes scores up the stack).
     dropout: attention-probability dropout rate (applied only in training mode).
     scale: score scale; None means 1/sqrt(d).
+    extras: further per-call inputs by key (``TASK_ID``: task ids; the backend's local pattern).
     """
 
     key_mask: torch.Tensor | None = None

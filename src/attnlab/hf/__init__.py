@@ -11,7 +11,7 @@ check    check_model_config(model, plan): refuse from the config what run would 
 """
 
 from .arch import Host, UnsupportedModelError, inspect_model
-from .backend import AttnlabLayer, attnlab_attention, aux_loss, register_backend
+from .backend import AttnlabLayer, attnlab_attention, aux_loss, register_backend, set_task_id
 from .capture import AttentionCache, capture_attention
 from .check import check_model_config
 from .plan import Plan, PlanError, Rule
@@ -38,4 +38,5 @@ __all__ = [
     "load_pretrained",
     "register_backend",
     "save_pretrained",
+    "set_task_id",
 ]

@@ -17,6 +17,7 @@ function as with "sdpa".
 from __future__ import annotations
 
 import functools
+import inspect
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -29,12 +30,36 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..core import AttnContext, HeadDims, Mechanism, build_mechanism
+from ..core.protocol import TASK_ID
 from .fused import LOCAL_PATTERN, local_pattern, run_mechanism
 from .prefix import extend_kv
 
 BACKEND = "attnlab"  # the name registered in AttentionInterface / AttentionMaskInterface
 LAYER_ATTR = "attnlab"  # attention-module attribute holding the installed AttnlabLayer
 STATE_ATTR = "_attnlab_forward_state"  # base-model attribute holding the ForwardState
+REPLAY_KWARG = "attnlab_replay"  # keyword carrying a checkpointed forward's Replay downwards
+
+
+class Replay:
+    """The cross-layer state each layer found during one gradient-checkpointed forward.
+
+    Gradient checkpointing recomputes a layer during backward, after the forward finished
+    (its state is gone) and in reverse layer order. So that a cross-layer mechanism
+    (RealFormer, Luna, Predictive Attention, LazyFormer) recomputes exactly what it computed,
+    each layer's entry ``seen[layer_idx]`` is a shallow copy of ``ctx.state`` as that layer
+    found it, and the recomputation runs on a copy of that copy. The Replay object reaches
+    the attention calls as the keyword ``attnlab_replay`` that the base model's forward
+    pre-hook adds and transformers passes down to every attention call; the checkpointed
+    layer keeps its keywords for the recomputation, so a recomputation finds the Replay of
+    its own forward even when several forwards precede one backward. ``done`` is set when
+    the forward has returned: from then on a call is a recomputation. Memory: the copies
+    hold what the mechanisms passed up (e.g. RealFormer's scores [b,h,n,m] per layer), the
+    inputs that a recomputation needs, until the backward frees the graph.
+    """
+
+    def __init__(self) -> None:
+        self.seen: dict[int, dict[str, Any]] = {}  # layer_idx -> ctx.state as found
+        self.done = False
 
 
 class ForwardState:
@@ -43,17 +68,20 @@ class ForwardState:
     ``state`` is the dict every mechanism sees as ``ctx.state`` (RealFormer passes scores
     from layer l to l+1 through it); ``aux_loss`` sums the mechanisms' auxiliary losses.
     Both are reset by a forward pre-hook on the model's base (see :func:`install_reset_hook`),
-    so nothing leaks from one forward into the next. Under gradient checkpointing a layer's
-    recomputation sees the state as the forward left it (known limitation).
+    so nothing leaks from one forward into the next. ``replay`` is the forward's
+    :class:`Replay` while a gradient-checkpointed training forward runs (else None).
     """
 
     def __init__(self) -> None:
         self.state: dict[str, Any] = {}
         self.aux_loss: torch.Tensor | None = None
+        self.replay: Replay | None = None
+        self.task_ids: torch.Tensor | None = None  # set_task_id: [] or [b] long; kept by reset
 
     def reset(self) -> None:
         self.state = {}
         self.aux_loss = None
+        self.replay = None
 
     def __deepcopy__(self, memo: dict) -> ForwardState:
         # Per-forward scratch is never worth copying (and holds non-leaf tensors that
@@ -70,19 +98,44 @@ class ForwardState:
         self.aux_loss = loss if self.aux_loss is None else self.aux_loss + loss
 
 
-def _reset_forward_state(module: nn.Module, args: Any) -> None:
-    """Forward pre-hook on the base model: a fresh per-forward state for every forward."""
+@functools.cache
+def _takes_var_kwargs(cls: type[nn.Module]) -> bool:
+    params = inspect.signature(cls.forward).parameters.values()
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def _checkpointing(module: nn.Module) -> bool:
+    """A training forward with gradients through a model whose layers are checkpointed."""
+    return (module.training and torch.is_grad_enabled()
+            and any(getattr(m, "gradient_checkpointing", False) is True
+                    for m in module.modules()))
+
+
+def _reset_forward_state(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
+    """Forward pre-hook on the base model: a fresh per-forward state for every forward, and
+    under gradient checkpointing a fresh :class:`Replay`, passed down as a keyword."""
     holder = getattr(module, STATE_ATTR, None)
-    if holder is not None:
-        holder.reset()
+    if holder is None:
+        return None
+    holder.reset()
+    if not _checkpointing(module):
+        return None
+    holder.replay = Replay()
+    # cast: mypy does not see a class object type[Module] as Hashable (the cache key)
+    if not _takes_var_kwargs(cast(type, type(module))):
+        return None  # cannot pass it down; attnlab_attention refuses cross-layer state then
+    return args, {**kwargs, REPLAY_KWARG: holder.replay}
 
 
 def _drop_forward_scratch(module: nn.Module, args: Any, output: Any) -> None:
     """Forward hook on the base model: free the cross-layer scratch once the forward is done
-    (``aux_loss`` stays readable until the next forward)."""
+    (``aux_loss`` stays readable until the next forward); mark its Replay done."""
     holder = getattr(module, STATE_ATTR, None)
     if holder is not None:
         holder.state = {}
+        if holder.replay is not None:
+            holder.replay.done = True
+            holder.replay = None
 
 
 def install_reset_hook(base: nn.Module, holder: ForwardState) -> None:
@@ -93,7 +146,7 @@ def install_reset_hook(base: nn.Module, holder: ForwardState) -> None:
     """
     setattr(base, STATE_ATTR, holder)
     if not any(h is _reset_forward_state for h in base._forward_pre_hooks.values()):
-        base.register_forward_pre_hook(_reset_forward_state)
+        base.register_forward_pre_hook(_reset_forward_state, with_kwargs=True)
     if not any(h is _drop_forward_scratch for h in base._forward_hooks.values()):
         base.register_forward_hook(_drop_forward_scratch)
 
@@ -106,6 +159,10 @@ class AttnlabLayer(nn.Module):
     of group i. Head-scope groups receive ``q[:, heads]``; a group covering the whole layer
     receives q, k, v untouched (with ``kv_heads`` K/V heads when a module-scope mechanism
     shrank the projections). Outputs are concatenated and put back in head order.
+    ``head_dims`` (dk, dv): a module-scope mechanism re-sized the Q/K/V projections
+    (``head_size``); the host still splits them into heads of its own head size d (h*dk/d
+    of them for q and k, h*dv/d for v), and q, k, v are regrouped here into h heads of dk,
+    dk and dv before the mechanism runs.
     """
 
     inverse: torch.Tensor  # buffer registered in __init__
@@ -117,6 +174,7 @@ class AttnlabLayer(nn.Module):
         groups: Sequence[tuple[tuple[int, ...], nn.Module]],
         forward_state: ForwardState,
         kv_heads: int | None = None,
+        head_dims: tuple[int, int] | None = None,
     ) -> None:
         super().__init__()
         covered = sorted(h for heads, _ in groups for h in heads)
@@ -125,6 +183,7 @@ class AttnlabLayer(nn.Module):
         self.layer_idx = layer_idx
         self.num_heads = num_heads
         self.kv_heads = kv_heads
+        self.head_dims = head_dims
         self.heads = tuple(tuple(heads) for heads, _ in groups)
         self.mechanisms = nn.ModuleList(mech for _, mech in groups)
         self.forward_state = forward_state
@@ -160,6 +219,8 @@ class AttnlabLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None, list[str]]:
         """q [b,h,n,d], k/v [b,h|kv,m,d] -> (out [b,h,n,d], probs [b,h,n,m] or None,
         names of the mechanisms that gave no probabilities)."""
+        if self.head_dims is not None:  # [b,h',n,g] -> [b,h,n,dk|dv] (h'*g = h*dk|h*dv)
+            q, k, v = (_regroup_heads(x, self.num_heads) for x in (q, k, v))
         m = k.shape[2]
         outs, probs, missing = [], [], []
         for i, mech in enumerate(self._mechs()):
@@ -196,6 +257,15 @@ class AttnlabLayer(nn.Module):
                 dtype = probs[0].dtype
                 p = torch.cat([x.to(dtype) for x in probs], 1).index_select(1, self.inverse)
         return out, (p if ctx.need_weights and not missing else None), missing
+
+
+def _regroup_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """[b, h', n, g] -> [b, h, n, h'*g/h]: the host's split of a re-sized projection into
+    heads of g features, regrouped into ``num_heads`` heads (head-major features)."""
+    b, hp, n, _ = x.shape
+    if hp == num_heads:
+        return x
+    return x.transpose(1, 2).reshape(b, n, num_heads, -1).transpose(1, 2)
 
 
 @functools.cache
@@ -286,6 +356,42 @@ def _expand_kv(k: torch.Tensor, v: torch.Tensor, h: int) -> tuple[torch.Tensor, 
     return k.repeat_interleave(h // hk, dim=1), v.repeat_interleave(h // hk, dim=1)
 
 
+def _layer_state(layer: AttnlabLayer, replay: Replay | None) -> dict[str, Any]:
+    """The ``ctx.state`` a layer's call gets: the forward's dict, or under gradient
+    checkpointing, in a recomputation, a copy of what the layer found in its forward."""
+    if replay is None:
+        return layer.forward_state.state
+    if replay.done:
+        return dict(replay.seen.get(layer.layer_idx, {}))
+    replay.seen[layer.layer_idx] = dict(layer.forward_state.state)
+    return layer.forward_state.state
+
+
+def _check_replayable(layer: AttnlabLayer, replay: Replay | None, state: dict[str, Any]) -> None:
+    """Under gradient checkpointing, refuse a layer that wrote cross-layer state which its
+    recomputation cannot reproduce with gradients (see :class:`Replay`)."""
+    holder = layer.forward_state
+    if holder.replay is None or (replay is not None and replay.done):
+        return
+    before = holder.replay.seen.get(layer.layer_idx, {}) if replay is not None else {}
+    if state.keys() == before.keys() and all(state[k] is before[k] for k in before):
+        return  # this layer passed nothing up
+    names = ", ".join(layer.names())
+    if replay is None:
+        raise ValueError(
+            f"layer {layer.layer_idx} ({names}) passes state to the next layer, which this "
+            "model cannot replay under gradient checkpointing (its forward does not pass "
+            "keyword arguments down to attention); call model.gradient_checkpointing_disable()"
+        )
+    if not torch.is_grad_enabled():
+        raise ValueError(
+            f"layer {layer.layer_idx} ({names}) passes state to the next layer, which "
+            "reentrant gradient checkpointing cuts from the gradient; enable it with "
+            "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs="
+            "{'use_reentrant': False}) (the default)"
+        )
+
+
 def attnlab_attention(
     module: nn.Module,
     query: torch.Tensor,
@@ -300,9 +406,10 @@ def attnlab_attention(
 
     Returns (out [b,n,h,d] contiguous, probs [b,h,n,m] or None). ``kwargs`` is the host's
     pass-through (``output_attentions``, ``is_causal``, ``position_ids``, ...); only
-    ``output_attentions``, ``is_causal`` and ``sliding_window`` are read, the rest concern
-    other backends. On a local layer (``sliding_window`` given, e.g. ModernBERT's) the 4-D
-    mask is kept as ``ctx.extras[LOCAL_PATTERN]``: see :mod:`attnlab.hf.fused`.
+    ``output_attentions``, ``is_causal``, ``sliding_window`` and ``attnlab_replay`` (our own,
+    under gradient checkpointing: :class:`Replay`) are read, the rest concern other
+    backends. On a local layer (``sliding_window`` given, e.g. ModernBERT's) the 4-D mask
+    is kept as ``ctx.extras[LOCAL_PATTERN]``: see :mod:`attnlab.hf.fused`.
     Probabilities are returned when ``output_attentions`` is set or :func:`recording` is
     active, and only when every mechanism of the layer produced them.
     """
@@ -314,16 +421,20 @@ def attnlab_attention(
         is_causal = bool(getattr(module, "is_causal", False))
     recorder = _RECORDER.get()
     need = bool(kwargs.get("output_attentions")) or recorder is not None
+    replay: Replay | None = kwargs.get(REPLAY_KWARG)
     if layer is None:
         layer_idx = getattr(module, "layer_idx", None) or 0
         state: dict[str, Any] = {}
     else:
-        layer_idx, state = layer.layer_idx, layer.forward_state.state
+        layer_idx, state = layer.layer_idx, _layer_state(layer, replay)
     key_mask = key_mask_from_hf(attention_mask, b, m)
     if layer is None or layer.kv_heads is None:
         key, value = _expand_kv(key, value, h)
     key, value, key_mask = extend_kv(module, key, value, key_mask)  # prefix tuning, if any
     pattern = local_pattern(attention_mask, kwargs.get("sliding_window"), key.shape[2])
+    extras: dict[str, Any] = {} if pattern is None else {LOCAL_PATTERN: pattern}  # [b,1|h,n,m]
+    if layer is not None and layer.forward_state.task_ids is not None:
+        extras[TASK_ID] = layer.forward_state.task_ids  # [] or [b] long (set_task_id)
     ctx = AttnContext(
         key_mask=key_mask,
         causal=bool(is_causal),
@@ -332,7 +443,7 @@ def attnlab_attention(
         state=state,
         dropout=float(dropout),
         scale=scaling,
-        extras={} if pattern is None else {LOCAL_PATTERN: pattern},  # [b,1|h,n,m]
+        extras=extras,
     )
     if layer is None:
         res = run_mechanism(_plain_softmax(h, d), query, key, value, ctx)
@@ -340,6 +451,7 @@ def attnlab_attention(
                                                    else ["softmax"])
     else:
         out, probs, missing = layer(query, key, value, ctx)
+        _check_replayable(layer, replay, state)
     if recorder is not None:
         recorder.record(module, probs, missing)
     return out.transpose(1, 2).contiguous(), probs  # [b,n,h,d], [b,h,n,m] | None
@@ -358,6 +470,27 @@ def forward_state(model: nn.Module) -> ForwardState | None:
         if isinstance(mod, AttnlabLayer):
             return mod.forward_state
     return None
+
+
+def set_task_id(model: nn.Module, task_ids: int | Sequence[int] | torch.Tensor | None) -> None:
+    """Task id(s) for task-conditioned mechanisms (``camtl_prior``) in the next forwards.
+
+    ``task_ids``: one int for the whole batch, or one per example ([b] ints); it stays in force
+    for every following forward until set again (call it per batch in multi-task training);
+    None clears it. Raises ValueError when no plan is applied or the ids are not integers.
+    """
+    holder = forward_state(model)
+    if holder is None:
+        raise ValueError("set_task_id: this model has no attnlab plan applied; call "
+                         "attnlab.apply_plan(model, plan) first")
+    if task_ids is None:
+        holder.task_ids = None
+        return
+    ids = torch.as_tensor(task_ids)
+    if ids.is_floating_point() or ids.dtype == torch.bool or ids.dim() > 1:
+        raise ValueError(f"set_task_id takes an int or a 1-D list/tensor of ints (one per "
+                         f"example), got {ids.dtype} of shape {tuple(ids.shape)}")
+    holder.task_ids = ids.long()
 
 
 def aux_loss(model: nn.Module) -> torch.Tensor | None:

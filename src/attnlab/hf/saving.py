@@ -144,8 +144,8 @@ def load_pretrained(path: str | os.PathLike, auto_class: Any = None) -> nn.Modul
     max_len = None
     if surgery_file.exists():
         max_len = json.loads(surgery_file.read_text()).get("max_len")
-    if plan.rules:
-        apply_plan(model, plan, max_len=max_len)
+    if plan.rules:  # nothing to convert: the saved weights replace the projections
+        apply_plan(model, plan, max_len=max_len, convert_projections=False)
 
     state = _read_state_dict(folder)
     floats = {t.dtype for t in state.values() if t.is_floating_point()}

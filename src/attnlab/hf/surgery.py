@@ -5,8 +5,13 @@
 causality) *before* it changes anything. Then, per layer, it installs the mechanisms as an
 :class:`~attnlab.hf.backend.AttnlabLayer` submodule of the attention module (so mechanism
 parameters save, load and train with the model), shrinks K/V projections for module-scope
-mechanisms such as multi-query attention, and switches the model to the "attnlab" attention
-function. It returns a :class:`SurgeryReport` (layer x head table of mechanisms).
+mechanisms such as multi-query attention (``caps.kv_heads``), re-sizes the heads of
+``head_size`` (``caps.head_dims``: Q/K/V projections and the output projection's input;
+BERT layout and DistilBERT), and switches the model to the "attnlab"
+attention function. It returns a :class:`SurgeryReport` (layer x head table of mechanisms).
+A module-scope mechanism with an ``adopt_projections(query, key)`` method (``collaborative``) is
+handed the layer's query and key projections and returns the ones that replace them
+(converted from the pretrained weights); fused Q/K/V hosts are refused for it.
 
 ``save_pretrained`` / ``load_pretrained`` live in :mod:`attnlab.hf.saving`, which imports this
 module (never the other way round).
@@ -15,17 +20,18 @@ module (never the other way round).
 from __future__ import annotations
 
 import copy
+import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from rich.console import Group
 from rich.table import Table
 from torch import nn
 
-from ..core import HeadDims, MechanismConfig, mechanism_class
-from .arch import Host, inspect_model
+from ..core import Capabilities, HeadDims, MechanismConfig, mechanism_class
+from .arch import FAMILIES, Host, inspect_model
 from .backend import (
     BACKEND,
     LAYER_ATTR,
@@ -57,9 +63,10 @@ class SurgeryReport:
     head_dim: int
     max_len: int | None  # HeadDims.max_len the mechanisms were built with
     table: list[list[str]]  # [layer][head] -> mechanism spec
-    params_added: int  # parameters of the installed mechanisms
-    params_removed: int  # parameters removed by shrinking K/V projections
+    params_added: int  # parameters of the installed mechanisms and of enlarged heads
+    params_removed: int  # parameters removed by shrinking K/V projections or heads
     kv_heads: dict[int, int] = field(default_factory=dict)  # layer -> K/V heads after shrink
+    head_dims: dict[int, tuple[int, int]] = field(default_factory=dict)  # layer -> (dk, dv)
     plan: Plan = field(default_factory=Plan)
 
     @property
@@ -98,6 +105,7 @@ class SurgeryReport:
             "params_added": self.params_added,
             "params_removed": self.params_removed,
             "kv_heads": {str(k): v for k, v in self.kv_heads.items()},
+            "head_dims": {str(k): list(v) for k, v in self.head_dims.items()},
             "plan": self.plan.to_list(),
         }
 
@@ -118,6 +126,8 @@ class SurgeryReport:
         for i, row in enumerate(self.table):
             cells = " ".join(labels[s].ljust(width) for s in row)
             kv = f"  [K/V heads: {self.kv_heads[i]}]" if i in self.kv_heads else ""
+            if i in self.head_dims:
+                kv += "  [head dims: dk={}, dv={}]".format(*self.head_dims[i])
             lines.append(f"{str(i).rjust(5)} | {cells}{kv}")
         lines += ["", *self._legend(), self._params_line()]
         return "\n".join(lines)
@@ -125,7 +135,7 @@ class SurgeryReport:
     def _params_line(self) -> str:
         line = f"parameters added: {self.params_added:,}"
         if self.params_removed:
-            line += f"; removed by K/V shrink: {self.params_removed:,}"
+            line += f"; removed by K/V or head shrink: {self.params_removed:,}"
         return line
 
     def to_markdown(self) -> str:
@@ -206,20 +216,46 @@ def _validate(plan: Plan, host: Host, max_len: int | None):
                     "causal (causal_ok=False). Use it on an encoder, or choose a mechanism "
                     "that supports causal attention."
                 )
-            if caps.kv_heads is not None and not host.fused:  # fused: no shrink (hf.fused)
-                now = _kv_heads_now(host.attention[layer], host)
-                if caps.scope != "module":
-                    raise SurgeryError(
-                        f"{where}: {cfg.name!r} declares kv_heads={caps.kv_heads} but scope "
-                        f"{caps.scope!r}; a K/V shrink needs scope 'module' (fix the mechanism)"
-                    )
-                if now % caps.kv_heads:
-                    raise SurgeryError(
-                        f"{where}: {cfg.name!r} asks for {caps.kv_heads} K/V heads, which does "
-                        f"not divide the layer's {now} K/V heads"
-                    )
+            if host.fused and hasattr(mechanism_class(cfg.name), "adopt_projections"):
+                raise SurgeryError(
+                    f"{where}: {cfg.name!r} replaces the query and key projections, but "
+                    f"{type(host.base).__name__} has one fused Q/K/V projection; use it on a "
+                    "model with separate query/key/value projections (BERT layout)"
+                )
         layers[layer] = groups
     return layers
+
+
+def _check_module(plan: Plan, host: Host, layer: int, rule: int | None, mech: nn.Module) -> None:
+    """Projection changes a built mechanism declares on its (instance) caps: a K/V shrink
+    (``kv_heads``) or re-sized heads (``head_dims``) need scope "module" and a host that can
+    take them. Runs before the model is changed (``_build``)."""
+    # a built mechanism: caps (possibly set on the instance) and cfg, as in core.Mechanism
+    caps = cast(Capabilities, mech.caps)
+    name = cast(MechanismConfig, mech.cfg).name
+    where = f"{_rule_text(plan, rule)}, layer {layer}"
+    if caps.kv_heads is None and caps.head_dims is None:
+        return
+    if caps.scope != "module":
+        raise SurgeryError(
+            f"{where}: {name!r} declares kv_heads/head_dims but scope {caps.scope!r}; "
+            "changing projections needs scope 'module' (fix the mechanism)")
+    if caps.kv_heads is not None and caps.head_dims is not None:
+        raise SurgeryError(f"{where}: {name!r} declares both kv_heads and head_dims; surgery "
+                           "does one of them per layer (fix the mechanism)")
+    if caps.kv_heads is not None and not host.fused:  # fused: no shrink (hf.fused)
+        now = _kv_heads_now(host.attention[layer], host)
+        if now % caps.kv_heads:
+            raise SurgeryError(
+                f"{where}: {name!r} asks for {caps.kv_heads} K/V heads, which does "
+                f"not divide the layer's {now} K/V heads"
+            )
+    if caps.head_dims is not None and caps.head_dims != (host.head_dim, host.head_dim):
+        try:
+            _resize_site(host, host.attention[layer], *caps.head_dims)
+        except ValueError as e:
+            raise SurgeryError(f"{where}: {name!r} re-sizes the heads to dk, dv = "
+                               f"{caps.head_dims}, but {e}") from None
 
 
 def _build(plan: Plan, host: Host, layers, max_len: int | None):
@@ -237,6 +273,7 @@ def _build(plan: Plan, host: Host, layers, max_len: int | None):
                     f"{_rule_text(plan, rule)}, layer {layer}, heads {list(hs)}: cannot build "
                     f"{cfg.spec()} for {dims}: {e}"
                 ) from None
+            _check_module(plan, host, layer, rule, mech)
             mechs.append((hs, mech.to(device=ref.device, dtype=ref.dtype)))
         built[layer] = mechs
     _tie(built)
@@ -271,6 +308,115 @@ def _shrink_linear(lin: nn.Linear, heads_now: int, kv_heads: int, head_dim: int)
     return new
 
 
+# ------------------------------------------------------------- re-sized heads (head_size)
+
+
+def _resize_site(host: Host, attn: nn.Module, dk: int, dv: int) -> tuple[nn.Module, str]:
+    """Where a layer's heads are re-sized to dk, dv: (the owner of the output projection, its
+    attribute name). Raises ValueError saying why it cannot be done."""
+    family = FAMILIES.get(host.family)
+    if host.fused or family is None:
+        kind = "a fused Q/K/V projection" if host.fused else f"the {host.family} layout"
+        known = ", ".join(k for k, f in sorted(FAMILIES.items()) if f.proj[0] != f.proj[1])
+        raise ValueError(f"head re-sizing knows the separate query/key/value layouts of "
+                         f"{known}, not {kind}; use one of those models")
+    h, d = host.num_heads, host.head_dim
+    step = d // math.gcd(h, d)  # h*x is a multiple of d iff x is a multiple of step
+    if dk % step or dv % step:
+        raise ValueError(f"the host splits its projections into heads of {d} features, so "
+                         f"h*dk and h*dv (h = {h}) must be multiples of {d}: choose dk and dv "
+                         f"as multiples of {step}")
+    for name in host.proj:
+        lin = getattr(attn, name)
+        if type(lin) is not nn.Linear or lin.out_features != h * d:
+            raise ValueError(f"its {name!r} projection is not a plain nn.Linear with {h * d} "
+                             "outputs (wrapped by a tuner, or already changed); apply the "
+                             "plan to a freshly loaded model before any tuner")
+    site: tuple[nn.Module, str] | None = None
+    if type(getattr(attn, "out_lin", None)) is nn.Linear:  # DistilBERT
+        site = (attn, "out_lin")
+    for mod in host.base.modules():  # BERT layout: BertAttention.{self, output.dense}
+        out = getattr(mod, "output", None)
+        if getattr(mod, "self", None) is attn and type(getattr(out, "dense", None)) is nn.Linear:
+            site = (cast(nn.Module, out), "dense")
+    if site is None or getattr(*site).in_features != h * d:
+        raise ValueError(f"the output projection after the heads of {type(attn).__name__} "
+                         f"(a plain nn.Linear with {h * d} inputs) was not found")
+    return site
+
+
+def _resize_rows(lin: nn.Linear, heads: int, d_old: int, d_new: int, scale: float = 1.0,
+                 random: bool = False) -> nn.Linear:
+    """Projection with ``heads`` heads of ``d_new`` outputs: per head the first
+    min(d_old, d_new) rows of ``lin`` times ``scale``, then new rows: zeros, or with
+    ``random`` N(0, std of lin.weight) from the global RNG (new biases 0)."""
+    keep, n_in = min(d_old, d_new), lin.in_features
+    new = nn.Linear(n_in, heads * d_new, bias=lin.bias is not None, device=lin.weight.device,
+                    dtype=lin.weight.dtype)
+    with torch.no_grad():
+        w = torch.zeros_like(new.weight).view(heads, d_new, n_in)
+        if random and d_new > keep:
+            std = lin.weight.float().std()
+            w[:, keep:] = (torch.randn(heads, d_new - keep, n_in, device=w.device) * std).to(w)
+        w[:, :keep] = lin.weight.view(heads, d_old, n_in)[:, :keep] * scale
+        new.weight.copy_(w.view(-1, n_in))
+        if lin.bias is not None:
+            bias = torch.zeros_like(new.bias).view(heads, d_new)
+            bias[:, :keep] = lin.bias.view(heads, d_old)[:, :keep] * scale
+            new.bias.copy_(bias.view(-1))
+    for p, old in ((new.weight, lin.weight), (new.bias, lin.bias)):
+        if p is not None and old is not None:
+            p.requires_grad_(old.requires_grad)
+    return new
+
+
+def _resize_cols(lin: nn.Linear, heads: int, d_old: int, d_new: int) -> nn.Linear:
+    """Output projection reading ``heads`` heads of ``d_new`` inputs: per head the first
+    min(d_old, d_new) input columns of ``lin``, new columns 0; the bias is kept."""
+    keep, n_out = min(d_old, d_new), lin.out_features
+    new = nn.Linear(heads * d_new, n_out, bias=lin.bias is not None, device=lin.weight.device,
+                    dtype=lin.weight.dtype)
+    with torch.no_grad():
+        w = torch.zeros_like(new.weight).view(n_out, heads, d_new)
+        w[:, :, :keep] = lin.weight.view(n_out, heads, d_old)[:, :, :keep]
+        new.weight.copy_(w.view(n_out, -1))
+        if lin.bias is not None:
+            new.bias.copy_(lin.bias)
+    for p, old in ((new.weight, lin.weight), (new.bias, lin.bias)):
+        if p is not None and old is not None:
+            p.requires_grad_(old.requires_grad)
+    return new
+
+
+def _resize_heads(attn: nn.Module, host: Host, dk: int, dv: int) -> int:
+    """Re-size one layer's heads to dk (Q, K) and dv (V, output projection input); returns
+    the change in parameter count. Conversion: see ``head_size`` (mechanisms.heads_structure):
+    for dk, dv >= d the layer computes exactly what it did (W_q rows scaled so that the
+    scores under the new 1/sqrt(dk) equal the old ones; zero new Q rows and W_o columns).
+    The host keeps splitting projections into heads of d features (h*dk/d "heads" of q and
+    k, h*dv/d of v); ``AttnlabLayer`` regroups them into h heads of dk and dv. The module's
+    ``scaling`` becomes 1/sqrt(dk)."""
+    h, d = host.num_heads, host.head_dim
+    owner, out_name = _resize_site(host, attn, dk, dv)
+    q_name, k_name, v_name = host.proj
+    old_scale = getattr(attn, "scaling", d**-0.5)  # the host's score scale (1/sqrt(d))
+    new = {
+        q_name: _resize_rows(getattr(attn, q_name), h, d, dk, scale=old_scale * dk**0.5),
+        k_name: _resize_rows(getattr(attn, k_name), h, d, dk, random=True),
+        v_name: _resize_rows(getattr(attn, v_name), h, d, dv, random=True),
+    }
+    out = _resize_cols(getattr(owner, out_name), h, d, dv)
+    count = sum(p.numel() for lin in (*new.values(), out) for p in lin.parameters())
+    count -= sum(p.numel() for name in new for p in getattr(attn, name).parameters())
+    count -= sum(p.numel() for p in getattr(owner, out_name).parameters())
+    for name, lin in new.items():
+        setattr(attn, name, lin)
+    setattr(owner, out_name, out)
+    if hasattr(attn, "scaling"):
+        attn.scaling = dk**-0.5
+    return count
+
+
 def _own_config(model: nn.Module) -> None:
     """Give the model its own config object before switching its attention implementation:
     models built from one config object share ``_attn_implementation``, so switching one
@@ -298,13 +444,17 @@ def switch_to_attnlab(model: nn.Module, host: Host) -> None:
 # -------------------------------------------------------------------------------- apply_plan
 
 
-def apply_plan(model: nn.Module, plan: Any, *, max_len: int | None = None) -> SurgeryReport:
+def apply_plan(model: nn.Module, plan: Any, *, max_len: int | None = None,
+               convert_projections: bool = True) -> SurgeryReport:
     """Install ``plan`` (anything :meth:`Plan.parse` takes) into ``model``; see module doc.
 
     max_len: ``HeadDims.max_len`` for the mechanisms (default: the model's
     ``max_position_embeddings``); set it lower to size length-bound mechanisms such as
     Linformer for the sequence length you train with. Re-applying a plan replaces the
     previous mechanisms, except after a K/V shrink (which cannot be undone).
+    convert_projections: let mechanisms that replace the query/key projections
+    (``adopt_projections``) convert the pretrained ones; ``load_pretrained`` passes False,
+    since the saved weights replace them anyway.
     """
     plan = Plan.parse(plan)
     host = inspect_model(model)
@@ -316,12 +466,25 @@ def apply_plan(model: nn.Module, plan: Any, *, max_len: int | None = None) -> Su
         )
     for layer, attn in enumerate(host.attention):
         old = getattr(attn, LAYER_ATTR, None)
+        if isinstance(old, AttnlabLayer) and old.head_dims is not None:
+            raise SurgeryError(
+                f"layer {layer}'s heads were re-sized to dk, dv = {old.head_dims} by "
+                f"{', '.join(old.names())!r}, which cannot be undone; apply the new plan to a "
+                "freshly loaded model instead"
+            )
         if isinstance(old, AttnlabLayer) and old.kv_heads is not None:
             names = ", ".join(old.names())
             raise SurgeryError(
                 f"layer {layer}'s K/V projections were shrunk to {old.kv_heads} heads by "
                 f"{names!r}, which cannot be undone; apply the new plan to a freshly loaded "
                 "model instead"
+            )
+        if isinstance(old, AttnlabLayer) and any(
+                hasattr(m, "adopt_projections") for m in old.mechanisms):
+            raise SurgeryError(
+                f"layer {layer}'s query/key projections were replaced by "
+                f"{', '.join(old.names())!r}, which cannot be undone; apply the new plan to a "
+                "freshly loaded model instead"
             )
     layers = _validate(plan, host, max_len)
     built = _build(plan, host, layers, max_len)
@@ -332,11 +495,22 @@ def apply_plan(model: nn.Module, plan: Any, *, max_len: int | None = None) -> Su
     params_added = params_removed = 0
     counted: set[int] = set()
     kv_by_layer: dict[int, int] = {}
+    dims_by_layer: dict[int, tuple[int, int]] = {}
     for layer, attn in enumerate(host.attention):
         groups = built[layer]
-        kv = None
+        kv = hd = None
         if len(groups) == 1 and not host.fused:  # a fused Q/K/V projection is never shrunk
             kv = getattr(groups[0][1].caps, "kv_heads", None)
+            hd = getattr(groups[0][1].caps, "head_dims", None)
+        if hd is not None and hd != (host.head_dim, host.head_dim):
+            delta = _resize_heads(attn, host, *hd)
+            params_added += max(delta, 0)
+            params_removed += max(-delta, 0)
+            dims_by_layer[layer] = hd
+        else:
+            hd = None
+        if kv is not None and kv == _kv_heads_now(attn, host):
+            kv = None  # nothing to shrink (gqa with g = the layer's K/V heads)
         if kv is not None:
             now = _kv_heads_now(attn, host)
             for name in host.proj[1:]:
@@ -345,7 +519,15 @@ def apply_plan(model: nn.Module, plan: Any, *, max_len: int | None = None) -> Su
                 params_removed += sum(p.numel() for p in lin.parameters()) - sum(
                     p.numel() for p in getattr(attn, name).parameters())
             kv_by_layer[layer] = kv
-        new = AttnlabLayer(layer, host.num_heads, groups, holder, kv_heads=kv)
+        adopt = getattr(groups[0][1], "adopt_projections", None) if len(groups) == 1 else None
+        if adopt is not None and not host.fused:  # e.g. collaborative: shared W_Q, W_K
+            old_qk = [getattr(attn, name) for name in host.proj[:2]]
+            new_qk = adopt(*old_qk, convert=convert_projections)  # converts the Q/K weights
+            for name, lin in zip(host.proj[:2], new_qk, strict=True):
+                setattr(attn, name, lin)
+            params_removed += sum(p.numel() for lin in old_qk for p in lin.parameters())
+            params_added += sum(p.numel() for lin in new_qk for p in lin.parameters())
+        new = AttnlabLayer(layer, host.num_heads, groups, holder, kv_heads=kv, head_dims=hd)
         setattr(attn, LAYER_ATTR, new)
         params_added += sum(p.numel() for p in new.parameters() if id(p) not in counted)
         counted.update(id(p) for p in new.parameters())  # tied parameters count once
@@ -362,6 +544,7 @@ def apply_plan(model: nn.Module, plan: Any, *, max_len: int | None = None) -> Su
         params_added=params_added,
         params_removed=params_removed,
         kv_heads=kv_by_layer,
+        head_dims=dims_by_layer,
         plan=plan,
     )
     setattr(host.base, SURGERY_ATTR, report)

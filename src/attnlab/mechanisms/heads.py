@@ -20,7 +20,7 @@ from ..core import (
     masked_softmax,
     register_mechanism,
 )
-from .dense import Softmax, SoftmaxConfig
+from .heads_structure import GroupedQuery, GroupedQueryConfig
 
 # ----------------------------------------------------------------------------- talking heads
 
@@ -100,17 +100,6 @@ class MultiQueryConfig(MechanismConfig):
     name: ClassVar[str] = "mqa"
 
 
-def pool_kv_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """[b,1|h,m,d] -> [b,h,m,d]: one K/V head broadcast to all query heads.
-
-    With h heads the mean over heads is taken first: the same conversion as
-    mean-pooling the host's per-head K/V projection weights (GQA "uptraining").
-    """
-    if x.shape[1] != 1:
-        x = x.mean(dim=1, keepdim=True)  # [b,1,m,d]
-    return x.expand(-1, num_heads, -1, -1)  # [b,h,m,d], no copy
-
-
 @register_mechanism(MultiQueryConfig)
 class MultiQuery(nn.Module):
     """Multi-query attention: every query head attends over one shared K/V head.
@@ -122,11 +111,11 @@ class MultiQuery(nn.Module):
     Formula: out_i = softmax(q_i K^T / sqrt(d)) V with one K [b,1,m,d], V [b,1,m,dv]
     shared by all h query heads. Complexity O(n*m) per head; K/V projections and cache
     shrink h-fold.
-    Scope "module" with ``caps.kv_heads = 1``: surgery shrinks the host's K/V
-    projections to one head (weights mean-pooled over heads), so k, v arrive with one
-    head. k, v with h heads are accepted too and mean-pooled over heads here, which is
-    the same conversion applied to the projected tensors (the projection is linear).
-    Otherwise this is dense softmax attention (the ``softmax`` mechanism is reused).
+    This is ``gqa`` with g = 1 (heads_structure.GroupedQuery does the work): scope
+    "module" with ``caps.kv_heads = 1``, surgery shrinks the host's K/V projections to one
+    head (weights mean-pooled over heads), so k, v arrive with one head; k, v with h heads
+    are accepted too and mean-pooled over heads, the same conversion applied to the
+    projected tensors (the projection is linear).
     """
 
     example: ClassVar[str] = "mqa"
@@ -138,11 +127,7 @@ class MultiQuery(nn.Module):
     def __init__(self, cfg: MultiQueryConfig, dims: HeadDims) -> None:
         super().__init__()
         self.cfg, self.dims = cfg, dims
-        self.attend = Softmax(SoftmaxConfig(), dims)
+        self.attend = GroupedQuery(GroupedQueryConfig(kv_heads=1), dims)
 
     def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
-        check_qkv(q, k, v, self.dims, kv_heads_ok=(1,))
-        h = q.shape[1]
-        k1 = pool_kv_heads(k, h)  # [b,h,m,d]
-        v1 = pool_kv_heads(v, h)  # [b,h,m,dv]
-        return self.attend(q, k1, v1, ctx)
+        return self.attend(q, k, v, ctx)  # [b,h,n,dv]

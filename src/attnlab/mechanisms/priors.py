@@ -1,4 +1,17 @@
-"""Attention with priors: extra additive terms on the scores (here: residual scores)."""
+"""Attention with priors: extra terms on the scores (here: residual scores, RealFormer).
+
+Survey: Lin, Wang, Liu, Qiu, "A Survey of Transformers", AI Open 2022, §4.5. The family
+spans three files: this one (RealFormer and the cross-layer helpers every mechanism that
+passes something up the stack uses), ``priors_position.py`` (Gaussian position priors:
+``gaussian_prior``, ``gaussian_transformer``, ``hardcoded_gaussian``) and
+``priors_layers.py`` (maps from lower layers: ``predictive``, ``lazyformer``).
+
+Cross-layer state: a mechanism stores a NamedTuple with a ``layer_idx`` field under its own
+key in ``AttnContext.state`` and the next such layer reads it with :func:`lower_entry`, which
+refuses an entry from the same or a later layer (a state dict reused across forwards). Under
+Hugging Face gradient checkpointing the backend replays each layer's state for its
+recomputation (``attnlab.hf.backend.Replay``), so these mechanisms need nothing special.
+"""
 
 from __future__ import annotations
 
@@ -32,9 +45,36 @@ class ResidualScores(NamedTuple):
     layer_idx: int
 
 
-@dataclass(frozen=True, kw_only=True)
-class RealFormerConfig(MechanismConfig):
-    name: ClassVar[str] = "realformer"
+def allowed_pairs(ctx: AttnContext, shape: torch.Size | tuple[int, ...],
+                  device: torch.device) -> torch.Tensor:
+    """[b,h,n,m] bool (an expanded view): key j is visible to query i (padding, causality)."""
+    n, m = shape[-2], shape[-1]
+    allowed = (causal_mask(n, m, device) if ctx.causal
+               else torch.ones(n, m, dtype=torch.bool, device=device))  # [n,m]
+    allowed = allowed.expand(shape)  # [b,h,n,m]
+    if ctx.key_mask is not None:
+        allowed = allowed & ctx.key_mask[:, None, None, :].to(torch.bool)
+    return allowed
+
+
+def lower_entry(state: dict[str, Any] | None, key: str, name: str, layer_idx: int,
+                what: str) -> Any | None:
+    """The entry a lower layer stored under ``key`` in ``state`` (None if there is none).
+
+    The entry is a NamedTuple with a ``layer_idx`` field. Raises ValueError when it comes
+    from this or a later layer: the state dict was reused across forward passes, or two
+    groups of mechanism ``name`` share a layer. ``what`` names the entry in the message.
+    """
+    if state is None or key not in state:
+        return None
+    prev = state[key]
+    if prev.layer_idx >= layer_idx:
+        raise ValueError(
+            f"{name} at layer {layer_idx} found {what} written by layer {prev.layer_idx}: "
+            "AttnContext.state must be a fresh dict for each forward pass and each layer may "
+            f"hold a single {name} group"
+        )
+    return prev
 
 
 def previous_scores(
@@ -46,15 +86,10 @@ def previous_scores(
     across forward passes, or two realformer groups in one layer) or has another shape
     (the heads or lengths differ between layers).
     """
-    if state is None or REALFORMER_STATE_KEY not in state:
+    prev: ResidualScores | None = lower_entry(state, REALFORMER_STATE_KEY, "realformer",
+                                              layer_idx, "residual scores")
+    if prev is None:
         return None
-    prev: ResidualScores = state[REALFORMER_STATE_KEY]
-    if prev.layer_idx >= layer_idx:
-        raise ValueError(
-            f"realformer at layer {layer_idx} found residual scores written by layer "
-            f"{prev.layer_idx}: AttnContext.state must be a fresh dict for each forward pass "
-            "and each layer may hold a single realformer group"
-        )
     if prev.scores.shape != shape:
         raise ValueError(
             f"realformer at layer {layer_idx} has scores of shape [b,h,n,m]={list(shape)} "
@@ -63,6 +98,11 @@ def previous_scores(
             "(put it on all heads of the layers, with equal head counts)"
         )
     return prev.scores
+
+
+@dataclass(frozen=True, kw_only=True)
+class RealFormerConfig(MechanismConfig):
+    name: ClassVar[str] = "realformer"
 
 
 @register_mechanism(RealFormerConfig)
@@ -80,7 +120,8 @@ class RealFormer(nn.Module):
     ``ctx.state["realformer.scores"]`` with the layer index; the next layer checks that
     the shape matches and raises a clear error otherwise. Masks (padding, causal) are
     applied after the addition, so masked pairs never carry -inf up the stack. Gradients
-    flow through the residual path, as in the paper.
+    flow through the residual path, as in the paper, also under Hugging Face gradient
+    checkpointing (non-reentrant; the backend replays the state, see the module doc).
     Scope "layer": head i of layer l must feed head i of layer l+1, which a per-layer
     mechanism guarantees (the paper applies it to every head of every layer).
     Dropout ``ctx.dropout`` applies to the probabilities in training mode.
@@ -98,20 +139,13 @@ class RealFormer(nn.Module):
 
     def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
         check_qkv(q, k, v, self.dims)
-        n, m = q.shape[-2], k.shape[-2]
         scores = (q @ k.transpose(-1, -2)) * ctx.scale_for(q.shape[-1])  # [b,h,n,m]
         prev = previous_scores(ctx.state, ctx.layer_idx, scores.shape)
         if prev is not None:
             scores = scores + prev.to(scores.dtype)
         if ctx.state is not None:
             ctx.state[REALFORMER_STATE_KEY] = ResidualScores(scores, ctx.layer_idx)
-        allowed = torch.ones(n, m, dtype=torch.bool, device=q.device)  # [n,m]
-        if ctx.causal:
-            allowed = causal_mask(n, m, q.device)
-        allowed = allowed.expand(scores.shape)  # [b,h,n,m]
-        if ctx.key_mask is not None:
-            allowed = allowed & ctx.key_mask[:, None, None, :].to(torch.bool)
-        probs = masked_softmax(scores, allowed)  # [b,h,n,m]
+        probs = masked_softmax(scores, allowed_pairs(ctx, scores.shape, q.device))  # [b,h,n,m]
         p = F.dropout(probs, ctx.dropout, training=True) if self.training and ctx.dropout else probs
         out = p @ v.to(p.dtype)  # [b,h,n,dv]
         return AttnOutput(out, probs if ctx.need_weights else None)

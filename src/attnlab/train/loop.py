@@ -181,6 +181,7 @@ def fit(parts: LoopParts, settings: LoopSettings, plan: StepPlan, accelerator,
     model.train()
     stop = _patience_spent(settings, state)  # a run that stopped early stays stopped on resume
     running, t_start = 0.0, time.perf_counter()
+    running_aux: float | None = None  # aux-loss part of ``running`` (None: no aux loss)
     while state.step < plan.total and not stop:
         batches = epoch_batches(len(parts.train_features), settings.batch_size, settings.seed,
                                 state.epoch, rank, world, plan.lengths)
@@ -190,7 +191,11 @@ def fit(parts: LoopParts, settings: LoopSettings, plan: StepPlan, accelerator,
             # micro-batches in this accumulation group: fewer in an epoch's last group, so
             # its update is their mean, not a fraction of it
             n_acc = min(accum, len(batches) - bi // accum * accum)
-            running += _micro_step(parts, model, accelerator, batches[bi], n_acc, sync)
+            loss_share, aux_share = _micro_step(parts, model, accelerator, batches[bi], n_acc,
+                                                sync)
+            running += loss_share
+            if aux_share is not None:
+                running_aux = (running_aux or 0.0) + aux_share
             state.batch_in_epoch = bi + 1
             if state.batch_in_epoch == len(batches):  # epoch done: a checkpoint resumes the next
                 state.epoch, state.batch_in_epoch = state.epoch + 1, 0
@@ -201,10 +206,13 @@ def fit(parts: LoopParts, settings: LoopSettings, plan: StepPlan, accelerator,
             state.step += 1
             bar.update(1)
             if state.step % settings.log_every == 0 or state.step == plan.total:
-                log.write({"step": state.step, "epoch": state.epoch, "loss": running,
-                           "lr": parts.scheduler.get_last_lr()[0]})
+                record = {"step": state.step, "epoch": state.epoch, "loss": running,
+                          "lr": parts.scheduler.get_last_lr()[0]}
+                if running_aux is not None:  # the aux part of "loss" (already weighted)
+                    record["aux_loss"] = running_aux
+                log.write(record)
                 bar.set_postfix(loss=f"{running:.4f}", refresh=False)  # shown at the next refresh
-            running = 0.0
+            running, running_aux = 0.0, None
             if state.step % plan.eval_every == 0 or state.step == plan.total:
                 state.train_seconds += time.perf_counter() - t_start
                 stop = _evaluate(parts, settings, accelerator, model, state, run_dir, log)
@@ -235,8 +243,9 @@ def _optimizer_step(accelerator, optimizer, scheduler, trainable: list,
 
 
 def _micro_step(parts: LoopParts, model, accelerator, indices: list[int], n_acc: int,
-                sync: bool) -> float:
-    """Forward and backward of one micro-batch (loss / n_acc); returns its share of the loss."""
+                sync: bool) -> tuple[float, float | None]:
+    """Forward and backward of one micro-batch (loss / n_acc); returns its shares of the
+    total loss and of the auxiliary loss in it (None without one)."""
     batch = parts.collate([parts.train_features[i] for i in indices])
     batch = {k: v.to(accelerator.device) for k, v in batch.items()}
     with accelerator.autocast(), (nullcontext() if sync else accelerator.no_sync(model)):
@@ -245,7 +254,8 @@ def _micro_step(parts: LoopParts, model, accelerator, indices: list[int], n_acc:
         if extra is not None:
             loss = loss + extra
         accelerator.backward(loss / n_acc)
-    return loss.detach().float().item() / n_acc
+    aux = None if extra is None else extra.detach().float().item() / n_acc
+    return loss.detach().float().item() / n_acc, aux
 
 
 def _start(accelerator, run_dir: Path, log: MetricsLog, resume: bool, total: int

@@ -75,10 +75,12 @@ def _refuse_incompatible_plan(model: nn.Module, cfg: PrefixTunerConfig) -> None:
             f"there ({where}{', ...' if len(bad) > 4 else ''}). Use another tuner (pasta, "
             "lora, adapter, bitfit) with this plan, or keep such mechanisms out of the plan."
         )
-    if report.kv_heads:
+    if report.kv_heads or report.head_dims:
+        changed = sorted({*report.kv_heads, *report.head_dims})
         raise ValueError(
-            f"prefix tuning needs every K/V head, but the applied plan shrank the K/V "
-            f"projections of layers {sorted(report.kv_heads)}; use another tuner with it")
+            f"prefix tuning needs every K/V head at the host's head size, but the applied "
+            f"plan shrank the K/V projections or re-sized the heads of layers {changed}; use "
+            "another tuner with it")
 
 
 @register_tuner(PrefixTunerConfig)

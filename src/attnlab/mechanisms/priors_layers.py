@@ -1,0 +1,241 @@
+"""Attention maps taken from lower layers: predicted by a convolution (``predictive``) or
+reused as they are (``lazyformer``).
+
+Survey: Lin, Wang, Liu, Qiu, "A Survey of Transformers", AI Open 2022, §4.5 ("prior from
+lower modules"). Both pass their map up the stack through ``AttnContext.state`` with the
+helpers of ``priors.py`` (RealFormer's pattern): an entry keyed by the mechanism, carrying
+the layer index that wrote it; an entry from the same or a later layer, or of another shape,
+is a clear error. Both have scope "layer": head t of one layer feeds head t of the next.
+Under Hugging Face gradient checkpointing the backend replays the state of each layer for
+its recomputation (``attnlab.hf.backend.Replay``), so gradients equal those without it.
+
+Shapes in comments: b batch, h heads, n query length, m key length, d head dim, dv value
+head dim, k convolution kernel size.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..core import (
+    AttnContext,
+    AttnOutput,
+    Capabilities,
+    HeadDims,
+    MechanismConfig,
+    check_qkv,
+    masked_softmax,
+    register_mechanism,
+)
+from .priors import ResidualScores, allowed_pairs, lower_entry
+
+FAMILY = "priors"
+
+# Keys of the entries in ``AttnContext.state``.
+PREDICTIVE_STATE_KEY = "predictive.scores"  # value: ResidualScores (masked pairs zeroed)
+LAZYFORMER_STATE_KEY = "lazyformer.map"  # value: LazyMap
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _same_shape(name: str, layer_idx: int, what: str, want: torch.Size,
+                prev: torch.Tensor, prev_layer: int) -> None:
+    _check(prev.shape == want,
+           f"{name} at layer {layer_idx} needs {what} of shape {list(want)} but layer "
+           f"{prev_layer} passed up {list(prev.shape)}; every {name} layer needs the same "
+           f"heads and lengths (put it on all heads of its layers, with equal head counts)")
+
+
+def _dropout(probs: torch.Tensor, ctx: AttnContext, training: bool) -> torch.Tensor:
+    return F.dropout(probs, ctx.dropout, training=True) if training and ctx.dropout else probs
+
+
+# ------------------------------------------------------------------------------- predictive
+
+
+@dataclass(frozen=True, kw_only=True)
+class PredictiveConfig(MechanismConfig):
+    name: ClassVar[str] = "predictive"
+    alpha: float = 0.5  # alpha: weight of this layer's Q K^T / sqrt(d) (1 - alpha: prediction)
+    kernel: int = 3  # k: size of the k x k convolution over the lower layer's scores
+
+    def __post_init__(self) -> None:
+        _check(math.isfinite(self.alpha) and 0.0 <= self.alpha <= 1.0,
+               f"predictive alpha must be in [0, 1] (the weight of the dot-product scores), "
+               f"got {self.alpha}; alpha=1 is plain softmax, e.g. alpha=0.5")
+        _check(self.kernel >= 1 and self.kernel % 2 == 1,
+               f"predictive kernel must be an odd size >= 1 (a centred k x k convolution), "
+               f"got {self.kernel}; e.g. kernel=3")
+
+
+@register_mechanism(PredictiveConfig)
+class Predictive(nn.Module):
+    """Predictive attention: this layer's scores mixed with a convolution of the lower ones.
+
+    Paper: Wang, Yang, Bai, Zhang, Bai, Yu, Zhang, Tong, "Predictive Attention Transformer:
+    Improving Transformer with Attention Map Prediction", 2021 (ICLR 2021 submission; the
+    follow-up is "Evolving Attention with Residual Convolutions", ICML 2021).
+    Formula (S_{l-1} the lower predictive layer's pre-softmax scores [b,h,n,m], the heads as
+    the convolution's channels):
+        S_l = alpha * Q K^T / sqrt(d) + (1 - alpha) * Conv2d_{h -> h, k x k}(S_{l-1})
+        out = softmax(S_l + mask) V
+    The first predictive layer of a forward pass (no entry in ``ctx.state``, or ``state``
+    None) has no lower map and uses S_l = Q K^T / sqrt(d) (plain softmax). alpha = 1 is
+    plain softmax in every layer (tested). Parameters: one ``nn.Conv2d(h, h, k)`` (weight
+    and bias) per layer, PyTorch's default init from the global torch RNG; the first
+    layer's convolution is built but unused, and the bias, a constant per head, cancels in
+    this layer's softmax (it reaches the next layer's prediction only through the zero
+    padding at the borders). Complexity O(n*m*(d + h*k^2)).
+    Cross-layer state: S_l is stored in ``ctx.state["predictive.scores"]`` with the layer
+    index, with the pairs a query may not see (padded keys, padded query rows when n == m,
+    future keys when causal) set to 0, the convolution's own zero padding: a padded
+    sequence then predicts exactly what the unpadded one does, and no masked score enters
+    the next layer. Causal: the kernel's rows cover queries i-k+1..i (the convolution is
+    causal along the query axis), so nothing from a later token leaks.
+    Deviations: the formula as stated above (alpha weighs the dot product); the paper's
+    exact mixing and any residual term around the convolution are not reproduced.
+    ``need_weights`` returns the probabilities; ``ctx.dropout`` applies to them in training.
+    """
+
+    example: ClassVar[str] = "predictive(alpha=0.5, kernel=3)"
+    caps: ClassVar[Capabilities] = Capabilities(
+        family=FAMILY, paper="Wang et al. 2021", scope="layer", keys_are_tokens=True,
+        complexity="O(n*m*(d+h*k^2))",
+    )
+
+    def __init__(self, cfg: PredictiveConfig, dims: HeadDims) -> None:
+        super().__init__()
+        self.cfg, self.dims = cfg, dims
+        h = dims.num_heads
+        self.conv = nn.Conv2d(h, h, cfg.kernel)  # weight [h,h,k,k], bias [h]
+
+    def predict(self, lower: torch.Tensor, causal: bool) -> torch.Tensor:
+        """Conv2d over the lower scores [b,h,n,m] (masked pairs 0) -> [b,h,n,m]."""
+        k = self.cfg.kernel
+        half = k // 2
+        rows = (k - 1, 0) if causal else (half, half)  # causal: queries i-k+1..i only
+        x = F.pad(lower, (half, half, *rows))  # [b,h,n+k-1,m+k-1]
+        bias = self.conv.bias
+        assert bias is not None  # nn.Conv2d built with its default bias=True
+        return F.conv2d(x, self.conv.weight.to(x.dtype), bias.to(x.dtype))
+
+    def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
+        check_qkv(q, k, v, self.dims)
+        n, m = q.shape[-2], k.shape[-2]
+        scores = (q @ k.transpose(-1, -2)) * ctx.scale_for(q.shape[-1])  # [b,h,n,m]
+        allowed = allowed_pairs(ctx, scores.shape, q.device)  # [b,h,n,m]
+        prev: ResidualScores | None = lower_entry(ctx.state, PREDICTIVE_STATE_KEY,
+                                                  "predictive", ctx.layer_idx, "scores")
+        if prev is not None:
+            _same_shape("predictive", ctx.layer_idx, "lower scores [b,h,n,m]", scores.shape,
+                        prev.scores, prev.layer_idx)
+            if self.cfg.alpha < 1.0:
+                pred = self.predict(prev.scores.to(scores.dtype), ctx.causal)  # [b,h,n,m]
+                scores = self.cfg.alpha * scores + (1.0 - self.cfg.alpha) * pred
+        if ctx.state is not None:
+            keep = allowed
+            if ctx.key_mask is not None and n == m:  # padded query rows too
+                keep = keep & ctx.key_mask[:, None, :, None].to(torch.bool)
+            ctx.state[PREDICTIVE_STATE_KEY] = ResidualScores(
+                scores.masked_fill(~keep, 0.0), ctx.layer_idx)
+        probs = masked_softmax(scores, allowed)  # [b,h,n,m]
+        out = _dropout(probs, ctx, self.training) @ v.to(probs.dtype)  # [b,h,n,dv]
+        return AttnOutput(out, probs if ctx.need_weights else None)
+
+
+# ------------------------------------------------------------------------------- lazyformer
+
+
+class LazyMap(NamedTuple):
+    """The map [b,h,n,m] a lazy block's first layer computed, its values [b,h,m,dv] when
+    ``share_values`` (else None), and that layer's index."""
+
+    probs: torch.Tensor
+    values: torch.Tensor | None
+    layer_idx: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class LazyformerConfig(MechanismConfig):
+    name: ClassVar[str] = "lazyformer"
+    share: int = 2  # layers per lazy block: the map is computed once every `share` layers
+    share_values: bool = False  # lazy layers also reuse the block's first-layer values V
+
+    def __post_init__(self) -> None:
+        _check(self.share >= 1, f"lazyformer share must be >= 1 (layers per lazy block; 1 "
+               f"computes the map in every layer), got {self.share}; e.g. share=2")
+
+
+@register_mechanism(LazyformerConfig)
+class Lazyformer(nn.Module):
+    """LazyFormer: the attention map is computed once per lazy block and reused above it.
+
+    Paper: Ying, Ke, He, Liu, "LazyFormer: Self Attention with Lazy Update", arXiv
+    2102.12702, 2021.
+    Formula: a lazyformer layer l computes P_l = softmax(Q K^T / sqrt(d) + mask) when no
+    lower lazyformer layer of this forward computed a map, or the last one that did (layer
+    c) is ``share`` or more layers below (l - c >= share); otherwise it is lazy and reuses
+    P_c. out = P V with this layer's V, or with V_c too when ``share_values`` (the value
+    path reused as well, so the layer's attention output is layer c's). Blocks are counted
+    in layer indices: on layers 0..5 with share=2, layers 0, 2, 4 compute and 1, 3, 5 reuse.
+    share=1 is plain softmax in every layer (tested). Lazy layers read neither q nor k (the
+    host's Q/K projections of those layers get no gradient, as the paper drops them);
+    gradients of a lazy layer flow into P_c. Complexity O(n*m*d) in computing layers,
+    O(n*m*dv) in lazy ones. No parameters.
+    Cross-layer state: ``ctx.state["lazyformer.map"]`` holds the LazyMap of the last
+    computing layer (probabilities after masking, before dropout); shape mismatches are a
+    clear error. Dropout ``ctx.dropout`` applies to the probabilities in each layer, in
+    training. Deviations: the paper's training tricks (e.g. where the computing layers sit
+    in a pre-trained model) are left to the plan. ``need_weights`` returns the map the layer
+    used (P_c in lazy layers).
+    """
+
+    example: ClassVar[str] = "lazyformer(share=2)"
+    caps: ClassVar[Capabilities] = Capabilities(
+        family=FAMILY, paper="Ying et al. 2021", scope="layer", complexity="O(n*m)",
+    )
+
+    def __init__(self, cfg: LazyformerConfig, dims: HeadDims) -> None:
+        super().__init__()
+        self.cfg, self.dims = cfg, dims
+
+    def lower_map(self, ctx: AttnContext) -> LazyMap | None:
+        """The map this layer reuses (None: it computes its own)."""
+        prev: LazyMap | None = lower_entry(ctx.state, LAZYFORMER_STATE_KEY, "lazyformer",
+                                           ctx.layer_idx, "an attention map")
+        if prev is None or ctx.layer_idx - prev.layer_idx >= self.cfg.share:
+            return None
+        return prev
+
+    def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
+        check_qkv(q, k, v, self.dims)
+        b, h, n, _ = q.shape
+        m = k.shape[-2]
+        prev = self.lower_map(ctx)
+        if prev is not None:  # lazy layer: reuse P_c (and V_c)
+            _same_shape("lazyformer", ctx.layer_idx, "a map [b,h,n,m]",
+                        torch.Size((b, h, n, m)), prev.probs, prev.layer_idx)
+            probs = prev.probs.to(q.dtype)  # [b,h,n,m]
+            values = v
+            if prev.values is not None:
+                _same_shape("lazyformer", ctx.layer_idx, "values [b,h,m,dv]", v.shape,
+                            prev.values, prev.layer_idx)
+                values = prev.values.to(v.dtype)  # [b,h,m,dv]
+        else:
+            scores = (q @ k.transpose(-1, -2)) * ctx.scale_for(q.shape[-1])  # [b,h,n,m]
+            probs = masked_softmax(scores, allowed_pairs(ctx, scores.shape, q.device))
+            values = v
+            if ctx.state is not None:
+                ctx.state[LAZYFORMER_STATE_KEY] = LazyMap(
+                    probs, v if self.cfg.share_values else None, ctx.layer_idx)
+        out = _dropout(probs, ctx, self.training) @ values.to(probs.dtype)  # [b,h,n,dv]
+        return AttnOutput(out, probs if ctx.need_weights else None)
