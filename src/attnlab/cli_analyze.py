@@ -135,9 +135,14 @@ def heads(
         return
     for result, folder in zip(results, outs, strict=True):
         _print_summary(result, folder)
-    if compare is not None:
+    if compare is not None and "changed" in doc:
         console.print(f"{len(doc['changed'])} heads changed class; wrote "
                       f"{outs[0].parent}/compare_classes.png/svg and compare.json")
+    elif compare is not None:  # different shapes: shares by depth
+        shares = "; ".join(f"{k}: " + ", ".join(f"{c} {v:.0%}" for c, v in s.items() if v)
+                           for k, s in doc["class_shares"].items())
+        console.print(f"class shares ({shares}); wrote "
+                      f"{outs[0].parent}/compare_class_shares.png/svg and compare.json")
 
 
 def report(

@@ -169,6 +169,24 @@ def test_compare_two_runs(runs, tmp_path):
     assert doc["a"]["model_name"] == "ra" and doc["b"]["model_name"] == "rb"
 
 
+def test_compare_models_of_different_shapes_by_class_share(runs, tmp_path):
+    """A 2 x 2 run against the embedded 6 x 12 MiniLM (TLM's comparison of a small
+    task-driven model with a pretrained one): class shares by relative depth."""
+    ra, _, text = runs
+    out = tmp_path / "cmp-shapes"
+    res = _invoke(["analyze", "heads", "--compare", ra, "default", "--text-file", text,
+                   "--out", out])
+    assert (out / "compare_class_shares.png").is_file()
+    doc = json.loads((out / "compare.json").read_text())
+    assert doc["shapes"] == {"a": [2, 2], "b": [6, 12]}
+    b = json.loads((out / "b-default" / "head_scores.json").read_text())
+    flat = [c for row in b["classes"] for c in row]
+    for c, share in doc["class_shares"]["b"].items():
+        assert share == pytest.approx(flat.count(c) / 72, abs=1e-6)
+    assert sum(doc["class_shares"]["a"].values()) == pytest.approx(1.0)
+    assert "class shares" in _text(res)
+
+
 def test_saved_model_folder_goes_to_runs_analysis(tmp_path, monkeypatch):
     import attnlab
     from attnlab.hf.saving import save_pretrained

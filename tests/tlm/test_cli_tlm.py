@@ -87,6 +87,13 @@ def test_train_stage1_only_then_finetune(tmp_path):
     info = json.loads((run / "tlm.json").read_text())
     assert info["external"]["passages"] == len(TEXTS) * 3  # stage 1's set, still recorded
     assert yaml.safe_load((run / "config.yaml").read_text())["stage2"]["max_steps"] == 1
+    # the finished run's encoder goes through head analysis like any model
+    text = tmp_path / "s.txt"
+    text.write_text("the cat sat on the mat\ndogs bark at night\n")
+    res = runner.invoke(app, ["analyze", "heads", str(run), "--text-file", str(text),
+                              "--out", str(tmp_path / "heads")])
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "heads" / "head_scores.json").is_file()
 
 
 def test_finetune_needs_a_finished_stage1(tmp_path):

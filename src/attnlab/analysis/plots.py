@@ -184,6 +184,34 @@ def class_count_bars(classes: Sequence[Sequence[str]], *, title: str | None = No
     return fig
 
 
+def class_share_comparison(a: Sequence[Sequence[str]], b: Sequence[Sequence[str]], *,
+                           labels: tuple[str, str], title: str | None = None) -> Figure:
+    """Two models of any shapes: for each head class, the share of each layer's heads in
+    that class against relative depth (layer / (layers - 1); 0 = first, 1 = last), one line
+    per model. How TLM compared task-driven and pretrained models (vertical vs
+    heterogeneous heads by depth)."""
+    _check_classes(a)
+    _check_classes(b)
+    names = [c for c in ALL_CLASSES if any(c in row for m in (a, b) for row in m)]
+    fig = _figure(3.0 * len(names) + 1.0, 3.2)
+    axes = fig.subplots(1, len(names), sharey=True, squeeze=False)[0]
+    for ax, c in zip(axes, names, strict=True):
+        for classes, label, style, color in ((a, labels[0], "o-", "black"),
+                                             (b, labels[1], "s--", "tab:orange")):
+            depth = np.linspace(0.0, 1.0, len(classes)) if len(classes) > 1 else np.zeros(1)
+            share = [sum(x == c for x in row) / len(row) for row in classes]
+            ax.plot(depth, share, style, color=color, label=label)
+        ax.set_title(c, fontsize=9)
+        ax.set_xlabel("relative depth (0 first layer, 1 last)")
+        ax.set_ylim(-0.03, 1.03)
+        ax.grid(True, alpha=0.3)
+    axes[0].set_ylabel("share of the layer's heads")
+    axes[0].legend(fontsize=7)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    return fig
+
+
 def attention_map(
     attn: Any,
     tokens: Sequence[str] | None = None,

@@ -47,6 +47,7 @@ from ..analysis.plots import (
     attention_map,
     class_count_bars,
     class_map,
+    class_share_comparison,
     compare_class_maps,
     save_figure,
     score_heatmap,
@@ -139,6 +140,11 @@ def load_model(spec: str) -> LoadedModel:
             "folder (config.json + weights)"
         )
     name = run_label(path)
+    if is_run_dir(path) and (path / "tlm.json").is_file():  # attnlab tlm train: the encoder
+        from .tlm_train import load_tlm_run
+
+        tlm, tok = load_tlm_run(path)
+        return LoadedModel(tlm.encoder, tok, name, spec, run_dir=path)
     if is_run_dir(path):
         model, tok, cfg = load_run_model(path)
         return LoadedModel(_capturable(model), tok, name, spec, run_dir=path, config=cfg)
@@ -459,11 +465,9 @@ def compare_analyses(a: HeadsResult, b: HeadsResult, out: Path
     if ca is None or cb is None:
         raise ValueError("both analyses need head classes (vertical and diagonal scores)")
     shape_a, shape_b = (len(ca), len(ca[0])), (len(cb), len(cb[0]))
-    if shape_a != shape_b:
-        raise ValueError(f"cannot compare heads of models of different shapes: {la} has "
-                         f"{shape_a[0]} layers x {shape_a[1]} heads, {lb} has "
-                         f"{shape_b[0]} x {shape_b[1]}")
     labels = (la, lb if lb != la else f"{lb} (B)")
+    if shape_a != shape_b:  # no head-by-head match: class shares by relative depth
+        return _compare_shares(a, b, labels, out)
     fig = compare_class_maps(ca, cb, labels=labels, title=f"head classes: {la} vs {lb}")
     written = list(save_figure(fig, out / "compare_classes"))
     diff = b.analysis.scores["vertical"].double() - a.analysis.scores["vertical"].double()
@@ -478,6 +482,29 @@ def compare_analyses(a: HeadsResult, b: HeadsResult, out: Path
            "class_counts": {"a": class_counts(ca), "b": class_counts(cb)},
            "mean_scores": {k: {s: None if math.isnan(x := _mean(v)) else round(x, 6)
                                for s, v in r.analysis.scores.items()}  # NaN -> null
+                           for k, r in (("a", a), ("b", b))}}
+    written.append(atomic_write(out / "compare.json",
+                                json.dumps(doc, indent=1, allow_nan=False) + "\n"))
+    return doc, written
+
+
+def _compare_shares(a: HeadsResult, b: HeadsResult, labels: tuple[str, str], out: Path
+                    ) -> tuple[dict[str, Any], list[Path]]:
+    """Models of different shapes: each class's share of every layer's heads against
+    relative depth, and the class counts (no head-by-head changes)."""
+    ca, cb = a.analysis.classes, b.analysis.classes
+    assert ca is not None and cb is not None  # checked by compare_analyses
+    fig = class_share_comparison(ca, cb, labels=labels,
+                                 title=f"head classes by depth: {labels[0]} vs {labels[1]}")
+    written = list(save_figure(fig, out / "compare_class_shares"))
+    doc = {"a": a.meta, "b": b.meta, "shapes": {"a": [len(ca), len(ca[0])],
+                                                 "b": [len(cb), len(cb[0])]},
+           "class_counts": {"a": class_counts(ca), "b": class_counts(cb)},
+           "class_shares": {k: {c: round(sum(n) / (len(cl) * len(cl[0])), 6)
+                                for c, n in class_counts(cl).items()}
+                            for k, cl in (("a", ca), ("b", cb))},
+           "mean_scores": {k: {s: None if math.isnan(x := _mean(v)) else round(x, 6)
+                               for s, v in r.analysis.scores.items()}
                            for k, r in (("a", a), ("b", b))}}
     written.append(atomic_write(out / "compare.json",
                                 json.dumps(doc, indent=1, allow_nan=False) + "\n"))

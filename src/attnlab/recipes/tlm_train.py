@@ -410,6 +410,23 @@ def stage2_model(cfg: TlmConfig, task: Any, run_dir: Path) -> TlmModel:
     return model
 
 
+def load_tlm_run(run_dir: str | Path) -> tuple[TlmModel, Any]:
+    """A finished TLM run's reported model (``run_dir/model.safetensors``, stage 2's best on
+    dev) and the tokenizer it was trained with, in eval mode (head analysis reads
+    ``model.encoder``)."""
+    from .tlm import load_tlm_config
+
+    run_dir = Path(run_dir)
+    path = run_dir / "model.safetensors"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: {run_dir} is not a finished TLM run "
+                                "(`attnlab tlm train` writes it at the end of stage 2)")
+    cfg = load_tlm_config(run_dir / "config.yaml")
+    model = build_tlm_model(cfg, get_task(cfg.task.name))
+    load_model(model, str(path), strict=True)
+    return model.eval(), load_tokenizer()
+
+
 @dataclass
 class Stage2Result:
     """Stage 2's trainer state, whether each evaluation predicted one class (for
