@@ -253,3 +253,13 @@ def test_ls_lists_the_named_plans():
     assert res.exit_code == 0 and json.loads(res.output) == NAMED_PLANS
     table = runner.invoke(app, ["ls", "--plans"], env={"COLUMNS": "80"})
     assert all(name in table.output for name in NAMED_PLANS)
+
+
+def test_readme_states_the_mechanism_count():
+    import re
+
+    import attnlab
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    counts = re.findall(r"(\d+) mechanisms today", readme)
+    assert counts == [str(len(attnlab.list_mechanisms()))], counts
