@@ -75,8 +75,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from attnlab.io import atomic_path, write_json
-from attnlab.tasks.mlm import TextExample, read_texts
+from ..io import atomic_path, write_json
+from ..tasks.mlm import TextExample, read_texts
 
 # Tokenisation shared by index and queries (see the module docstring).
 TOKEN_PATTERN = (r"\w+(?:(?:(?<=[^\W\d_])['\u2019.:](?=[^\W\d_])"  # letter . letter

@@ -50,7 +50,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from attnlab.tasks.base import require_package
+from ..tasks.base import require_package
 
 from .retrieve import K1, B, Passage, validate_k, validate_queries
 
