@@ -51,7 +51,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from ..tasks.base import require_package
-
 from .retrieve import K1, B, Passage, validate_k, validate_queries
 
 TEXT_FIELD = "text"
