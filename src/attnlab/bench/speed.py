@@ -187,6 +187,15 @@ def _measure_in_subprocess(**kwargs: Any) -> dict[str, float]:
     return run_child("attnlab.bench.speed", kwargs, env)
 
 
+def measure_isolated(**kwargs: Any) -> dict[str, float]:
+    """``measure`` in fresh subprocesses: on CPU one for the peak memory, then one for the
+    times; on CUDA one for both (the allocator's peak statistics need no fresh process)."""
+    if str(kwargs.get("device", "cpu")).startswith("cuda"):
+        return _measure_in_subprocess(part="both", **kwargs)
+    mem = _measure_in_subprocess(part="memory", **kwargs)
+    return {**_measure_in_subprocess(part="time", **kwargs), **mem}
+
+
 def run_child(module: str, kwargs: dict[str, Any], env: dict[str, str] | None = None
               ) -> dict[str, Any]:
     """Run ``module._child()`` in a fresh Python with ``kwargs`` as JSON; its JSON reply."""
@@ -232,13 +241,8 @@ def bench_sparse(
 
     def run_all(step) -> None:
         for n, method in jobs:
-            if device.startswith("cuda"):  # allocator statistics: one process is enough
-                res = _measure_in_subprocess(method=method, n=n, part="both", **common)
-                rows.append({"n": n, "method": method, **res})
-            else:
-                mem = _measure_in_subprocess(method=method, n=n, part="memory", **common)
-                res = _measure_in_subprocess(method=method, n=n, part="time", **common)
-                rows.append({"n": n, "method": method, **res, **mem})
+            rows.append({"n": n, "method": method, **measure_isolated(method=method, n=n,
+                                                                      **common)})
             step(f"{method} n={n}")
 
     if progress:

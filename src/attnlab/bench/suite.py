@@ -28,7 +28,7 @@ from rich.progress import Progress
 from ..core import list_mechanisms, mechanism_class
 from ..io import atomic_write, write_json
 from .peers import is_peer
-from .speed import SDPA, _measure_in_subprocess, environment
+from .speed import SDPA, environment, measure_isolated
 
 DEFAULT_NS = (512, 1024, 2048, 4096, 8192, 16384)
 
@@ -107,7 +107,7 @@ def run_suite(
     """Measure ``mechanisms`` (names or specs; default: every registered one, with
     ``bench_spec`` settings) and SDPA at each n; write the output folder; return the results
     (``environment``, ``rows``, ``exponents``)."""
-    measure = measure or _measure_both
+    measure = measure or measure_isolated
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     names = list(mechanisms) if mechanisms else [
@@ -156,11 +156,6 @@ def run_suite(
                      out / "scaling.png", title=env_title(results["environment"]),
                      subject="one attention layer vs dense SDPA")
     return results
-
-
-def _measure_both(**kwargs: Any) -> dict[str, float]:
-    mem = _measure_in_subprocess(part="memory", **kwargs)
-    return {**_measure_in_subprocess(part="time", **kwargs), **mem}
 
 
 def summarise(rows: list[dict[str, Any]], fit_from: int) -> dict[str, Any]:
