@@ -40,6 +40,7 @@ class TaskConfig:
     train_fraction: float = 1.0  # fraction of the training set (seeded subset)
     train_split: str | None = None  # None = the task's own (SQuAD here: "dev_train")
     eval_split: str | None = None  # None = the task's own eval splits (MNLI: both)
+    task_id: int | None = None  # this task's id for task-conditioned mechanisms (camtl_prior)
 
 
 @dataclass

@@ -80,6 +80,11 @@ class Capabilities:
       them refuse such plans.
     shared_qk: the keys are the (normalised) queries, the host's k is not read (Reformer's
       LSH attention); its K projection then gets no gradient from these heads.
+    task_conditioned: reads task ids from ``ctx.extras[TASK_ID]`` (``camtl_prior``). Such a
+      config has a field ``tasks`` (the number of task ids, 0..tasks-1) and a field ``task``
+      (a fixed id, or None to take the batch's); the runner fills the ids from the run
+      config's ``task.task_id`` (``attnlab.hf.set_task_id``) and refuses a plan that leaves
+      one without an id before anything runs.
     reads_qk: False when neither q nor k is read (the weights depend on positions only, as in
       hard-coded Gaussian attention); the host's Q and K projections then get no gradient
       from these heads.
@@ -98,6 +103,7 @@ class Capabilities:
     shared_qk: bool = False
     head_dims: tuple[int, int] | None = None
     reads_qk: bool = True
+    task_conditioned: bool = False
 
 
 @dataclass

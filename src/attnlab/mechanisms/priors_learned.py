@@ -127,7 +127,7 @@ class CamtlPrior(nn.Module):
 
     example: ClassVar[str] = "camtl_prior(tasks=3, blocks=4, task_dim=8, task=1)"
     caps: ClassVar[Capabilities] = Capabilities(
-        family="priors", paper="Pilault et al. 2021", needs_max_len=True,
+        family="priors", paper="Pilault et al. 2021", needs_max_len=True, task_conditioned=True,
         keys_are_tokens=True, complexity="O(n*m)",
     )
 

@@ -33,8 +33,9 @@ from ..config import (
     with_optim_defaults,
 )
 from ..hf.backend import aux_loss as mechanism_aux_loss
+from ..hf.backend import set_task_id
 from ..hf.plan import Plan
-from ..hf.surgery import apply_plan
+from ..hf.surgery import SurgeryReport, apply_plan
 from ..io import write_json
 from ..models import load_model
 from ..tasks import get_task
@@ -78,6 +79,17 @@ def build_model(cfg: ExperimentConfig, task) -> tuple[torch.nn.Module, Any]:
             if isinstance(mod, torch.nn.Dropout):
                 mod.p = cfg.model.dropout
     return model, tok
+
+
+def apply_run_plan(model: torch.nn.Module, cfg: ExperimentConfig
+                   ) -> tuple[Plan | None, SurgeryReport | None]:
+    """Apply the run's attention plan (if any) and give task-conditioned mechanisms
+    (``camtl_prior``) the run's ``task.task_id``; the same in training and on reload."""
+    plan = Plan.parse(cfg.plan) if cfg.plan else None
+    report = apply_plan(model, plan) if plan is not None else None
+    if cfg.task.task_id is not None:  # preflight: a plan exists when a task id is set
+        set_task_id(model, cfg.task.task_id)
+    return plan, report
 
 
 def subset(examples: list, fraction: float, limit: int | None, seed: int) -> list:
@@ -253,8 +265,7 @@ def _prepare(cfg: ExperimentConfig, accelerator) -> _Run:
         (cfg.run_dir / "config.yaml").write_text(resolved_yaml(cfg))
     set_seed(cfg.seed)  # model init (new heads) depends only on the seed
     model, tok = build_model(cfg, task)
-    plan = Plan.parse(cfg.plan) if cfg.plan else None
-    report = apply_plan(model, plan) if plan is not None else None
+    plan, report = apply_run_plan(model, cfg)
     tuner, tcfg = resolve_tuning(cfg.tuning.method)
     model = tuner.apply(model, tcfg, task=TaskInfo.from_tokenizer(tok, task_kind(task)))
     if accelerator.is_main_process:
@@ -423,8 +434,7 @@ def load_run_model(run_dir: str | Path) -> tuple[torch.nn.Module, Any, Experimen
     task = get_task(cfg.task.name)
     set_seed(cfg.seed)  # as in run_experiment: a scratch backbone that was not tuned (and
     model, tok = build_model(cfg, task)  # so is not in tuned.safetensors) is its seeded init
-    if cfg.plan:
-        apply_plan(model, Plan.parse(cfg.plan))
+    apply_run_plan(model, cfg)
     tuner, tcfg = resolve_tuning(cfg.tuning.method)
     model = tuner.apply(model, tcfg, task=TaskInfo.from_tokenizer(tok, task_kind(task)))
     load_tuned_file(model, tuner, weights)

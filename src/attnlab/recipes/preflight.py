@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 from ..config import ConfigError, ExperimentConfig
+from ..core import mechanism_class
 from ..hf.check import check_model_config
 from ..hf.plan import Plan
 from ..models import SIZES
@@ -46,11 +47,30 @@ def check_model_name(name: str) -> None:
             "embedded MiniLM) or 'scratch:SIZE'")
 
 
+def check_task_ids(plan: Plan | None, task_id: int | None) -> None:
+    """``task.task_id`` conditions task-conditioned mechanisms (``Capabilities.
+    task_conditioned``): it needs one in the plan, each of those needs an id (the run's or
+    its own ``task``), and the id must be one of its ``tasks``."""
+    conditioned = [r.mechanism for r in (plan.rules if plan else ())
+                   if mechanism_class(r.mechanism.name).caps.task_conditioned]
+    if task_id is not None and not conditioned:
+        raise ConfigError(f"task.task_id={task_id} but no mechanism of the plan is "
+                          "task-conditioned (e.g. camtl_prior); drop task.task_id or add one")
+    for mech in conditioned:
+        fields = mech.to_dict()  # a task-conditioned config has tasks and task (Capabilities)
+        tasks, fixed = fields["tasks"], fields["task"]
+        if task_id is None and fixed is None:
+            raise ConfigError(f"plan mechanism {mech.spec()!r} needs a task id: set "
+                              f"task.task_id (0..{tasks - 1}) or fix one with task=...")
+        if task_id is not None and not 0 <= task_id < tasks:
+            raise ConfigError(f"task.task_id={task_id} is not a task of {mech.spec()!r} "
+                              f"(ids 0..{tasks - 1}); pick an id below its tasks")
+
+
 def preflight(cfg: ExperimentConfig, load_data: bool = False) -> None:
     """Raise the first problem that would stop ``cfg`` from running (nothing is written)."""
     task = get_task(cfg.task.name)
-    if cfg.plan:
-        Plan.parse(cfg.plan)
+    check_task_ids(Plan.parse(cfg.plan) if cfg.plan else None, cfg.task.task_id)
     resolve_tuning(cfg.tuning.method)
     check_model_name(cfg.model.name)
     check_model_config(cfg.model.name, cfg.plan or None)  # architecture + plan, no weights
