@@ -20,13 +20,21 @@ def test_head_slices_cover_every_head_once_within_the_budget():
 
 @pytest.mark.parametrize("spec,causal", [
     (spec, causal) for spec in ("performer(num_features=16)", "linear_relu", "linear_elu")
-    for causal in (False, True)] + [("lsh(buckets=4, chunk=4, num_hashes=2)", False)])
+    for causal in (False, True)] + [(spec, False) for spec in (
+        "lsh(buckets=4, chunk=4, num_hashes=2)", "nystrom(num_landmarks=4)",
+        "nystrom(num_landmarks=5, pinv_init='exact')", "csalr(num_landmarks=4)",
+        "linformer(k=8)", "linformer(k=8, share='headwise')", "linformer(k=8, share='kv')",
+        "clustered(clusters=4, bits=8, iterations=4)",
+        "improved_clustered(clusters=4, bits=8, iterations=4, topk=3)",
+        "poolingformer(window=2, window2=8, pool_size=3)",
+        "poolingformer(window=2, window2=8, pool_size=3, pool='conv')",
+        "poolingformer(window=2, window2=8, pool_size=2, pool='max', stacked=False)")])
 def test_sliced_heads_equal_one_group(monkeypatch, spec, causal):
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 4, 24, 8, generator=g, requires_grad=True) for _ in range(3))
     mask = torch.ones(2, 24, dtype=torch.bool)
     mask[1, 17:] = False
-    mech = attnlab.build_mechanism(spec, attnlab.HeadDims(4, 8)).eval()
+    mech = attnlab.build_mechanism(spec, attnlab.HeadDims(4, 8, 32)).eval()
 
     def run(budget):
         monkeypatch.setattr(slicing, "SLICE_BYTES", budget)

@@ -46,6 +46,15 @@ def _probs(q, keys, idx, allowed, scale: float, lse=None):
     return prob, lse, kx
 
 
+def _rows_major(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """w [b,h,c,K], x [b,h,c,e] -> w[..., None] * x[..., None, :] as contiguous rows
+    [c*K, b, h, e] (the layout index_add_ over dim 0 adds fastest)."""
+    b, h, c, k = w.shape
+    out = x.new_empty(c, k, b, h, x.shape[-1])  # [c,K,b,h,e]
+    torch.mul(w.permute(2, 3, 0, 1)[..., None], x.permute(2, 0, 1, 3)[:, None], out=out)
+    return out.view(c * k, b, h, -1)
+
+
 class _GatheredAttention(torch.autograd.Function):
     """q [b,h,n,d], keys [b,h,M,d], vals [b,h,M,dv], idx [n,K] long in [0, M), allowed
     [b|1,1,n,K] bool -> out [b,h,n,dv]."""
@@ -72,9 +81,13 @@ class _GatheredAttention(torch.autograd.Function):
     def backward(ctx, grad):
         q, keys, vals, idx, allowed, out, lse = ctx.saved_tensors
         rows, scale, p, seed = ctx.cfg
-        n = q.shape[2]
+        b, h, n, _ = q.shape
         dq = torch.empty_like(q)
-        dkeys, dvals = torch.zeros_like(keys), torch.zeros_like(vals)
+        # key/value gradients accumulate row-major, [M, b, h, d]: index_add_ over dim 0 then
+        # adds whole contiguous rows (over dim 2 of [b,h,M,d] its slices are strided and it
+        # falls back to a far slower scatter)
+        dkeys = keys.new_zeros(keys.shape[2], b, h, keys.shape[3])  # [M,b,h,d]
+        dvals = vals.new_zeros(vals.shape[2], b, h, vals.shape[3])  # [M,b,h,dv]
         for ci, r0 in enumerate(range(0, n, rows)):
             r1 = min(n, r0 + rows)
             ix, qc, g = idx[r0:r1], q[:, :, r0:r1], grad[:, :, r0:r1]  # g [b,h,c,dv]
@@ -89,11 +102,11 @@ class _GatheredAttention(torch.autograd.Function):
             delta = (g * out[:, :, r0:r1]).sum(-1, keepdim=True)  # [b,h,c,1]
             ds = dprob.sub_(delta).mul_(prob).mul_(scale)  # [b,h,c,K]
             dq[:, :, r0:r1] = (ds.unsqueeze(-2) @ kx).squeeze(-2)
-            flat = ix.reshape(-1)
-            b, h, c, k = ds.shape
-            dkeys.index_add_(2, flat, (ds.unsqueeze(-1) * qc.unsqueeze(-2)).view(b, h, c * k, -1))
-            dvals.index_add_(2, flat, (used.unsqueeze(-1) * g.unsqueeze(-2)).view(b, h, c * k, -1))
-        return dq, dkeys, dvals, None, None, None, None, None
+            flat = ix.reshape(-1)  # [c*K]
+            dkeys.index_add_(0, flat, _rows_major(ds, qc))
+            dvals.index_add_(0, flat, _rows_major(used, g))
+        return (dq, dkeys.permute(1, 2, 0, 3), dvals.permute(1, 2, 0, 3),
+                None, None, None, None, None)
 
 
 def gathered_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor,

@@ -41,6 +41,7 @@ from ..core import (
     reference_attention,
     register_mechanism,
 )
+from ..core.slicing import over_head_groups
 
 FAMILY = "lowrank"
 
@@ -100,23 +101,31 @@ def _check_self_attention(name: str, q: torch.Tensor, k: torch.Tensor, ctx: Attn
         )
 
 
-def _kernels(q, k, num: int, scale: float, keep: torch.Tensor | None):
-    """The three landmark kernels: softmax(Q K~^T) [b,h,n,L], M = softmax(Q~ K~^T)
-    [b,h,L,L] and softmax(Q~ K^T) [b,h,L,m] (padded keys excluded), scores scaled by
-    ``scale`` (the official code scales q and k by d^-1/4 each; the product is the same)."""
+def _landmarks(q, k, num: int, scale: float, keep: torch.Tensor | None):
+    """(q, k with padded positions zeroed, landmark queries Q~ [b,h,L,d], landmark keys
+    K~ * scale [b,h,L,d]): padding enters no landmark (official code); the score scale is
+    folded into K~ (L rows, not n; the official code scales q and k by d^-1/4 each, the
+    product is the same)."""
     if keep is not None:
         km = keep[:, None, :, None].to(q.dtype)  # [b,1,n,1]
-        q, k = q * km, k * km  # padding enters no landmark (official code)
-    ql = segment_means(q, num)  # [b,h,L,d]
-    kl = segment_means(k, num) * scale  # [b,h,L,d] (scale folded in: L rows, not n)
+        q, k = q * km, k * km
+    return q, k, segment_means(q, num), segment_means(k, num) * scale
+
+
+def _side_kernels(q, k, ql, kl, scale: float, keep: torch.Tensor | None):
+    """softmax(Q K~^T) [b,h,n,L] and softmax(Q~ K^T) [b,h,L,m] (padded keys excluded);
+    heads are independent here, so callers may pass any group of heads."""
     k1 = torch.softmax(q @ kl.transpose(-1, -2), dim=-1)  # [b,h,n,L]
-    k2 = torch.softmax(ql @ kl.transpose(-1, -2), dim=-1)  # [b,h,L,L]
     s3 = (ql * scale) @ k.transpose(-1, -2)  # [b,h,L,m]
     if keep is None:
-        k3 = torch.softmax(s3, dim=-1)
-    else:
-        k3 = masked_softmax(s3, keep[:, None, None, :].expand(s3.shape))  # [b,h,L,m]
-    return k1, k2, k3
+        return k1, torch.softmax(s3, dim=-1)
+    return k1, masked_softmax(s3, keep[:, None, None, :].expand(s3.shape))  # [b,h,L,m]
+
+
+def _bytes_per_head(q: torch.Tensor, num: int) -> int:
+    """Bytes of the largest per-head intermediates (softmax(Q K~^T), softmax(Q~ K^T) and
+    their gradients), the budget unit for core.slicing.over_head_groups."""
+    return q.shape[0] * q.shape[2] * num * q.element_size()
 
 
 def _conv_band(weight: torch.Tensor, n: int) -> torch.Tensor:
@@ -158,12 +167,23 @@ def nystrom_attention(q, k, v, num_landmarks: int, pinv_iterations: int, scale: 
                       need_weights: bool = False):
     """The Nyström approximation itself (no softmax shortcut, no conv):
     softmax(Q K~^T) pinv(M) (softmax(Q~ K^T) V). q, k [b,h,n,d], v [b,h,n,dv];
-    keep [b,n] bool or None. Returns (out [b,h,n,dv], weights [b,h,n,m] or None)."""
-    k1, k2, k3 = _kernels(q, k, num_landmarks, scale, keep)
+    keep [b,n] bool or None. Returns (out [b,h,n,dv], weights [b,h,n,m] or None).
+
+    The landmarks and pinv(M) [b,h,L,L] are computed for all heads at once ("original"
+    scales Z_0 by a maximum over every head and example); the n-sized kernels run a few
+    heads at a time (core.slicing), which gives the same result."""
+    q, k, ql, kl = _landmarks(q, k, num_landmarks, scale, keep)
+    k2 = torch.softmax(ql @ kl.transpose(-1, -2), dim=-1)  # M [b,h,L,L]
     # 16-bit inputs: the pseudo-inverse iteration runs in fp32
     z = iterative_pinv(k2.float(), pinv_iterations, pinv_init).to(k2.dtype)  # [b,h,L,L]
-    out = k1 @ (z @ (k3 @ v))  # [b,h,L,dv] -> [b,h,L,dv] -> [b,h,n,dv]
-    return out, ((k1 @ z) @ k3 if need_weights else None)
+
+    def heads(q, k, v, ql, kl, z) -> AttnOutput:
+        k1, k3 = _side_kernels(q, k, ql, kl, scale, keep)  # [b,g,n,L], [b,g,L,m]
+        out = k1 @ (z @ (k3 @ v))  # [b,g,L,dv] -> [b,g,L,dv] -> [b,g,n,dv]
+        return AttnOutput(out, (k1 @ z) @ k3 if need_weights else None)
+
+    res = over_head_groups(heads, (q, k, v, ql, kl, z), _bytes_per_head(q, num_landmarks))
+    return res.out, res.probs
 
 
 @register_mechanism(NystromConfig)
@@ -291,13 +311,20 @@ class CSALR(nn.Module):
         _check_self_attention("csalr", q, k, ctx)
         num = min(self.cfg.num_landmarks, q.shape[2])
         keep = _key_keep(ctx)
-        k1, k2, k3 = _kernels(q, k, num, ctx.scale_for(q.shape[-1]), keep)
+        scale = ctx.scale_for(q.shape[-1])
         eye = torch.eye(num, dtype=torch.float32, device=q.device)  # [L,L]
-        reg = k2.float() + self.cfg.eps * eye  # M + eps I [b,h,L,L]
-        x = torch.linalg.solve(reg, (k3 @ v).float()).to(v.dtype)  # [b,h,L,dv]
-        out = k1 @ x  # [b,h,n,dv]
-        probs = None
-        if ctx.need_weights:
-            coef = torch.linalg.solve(reg, k3.float(), left=True).to(k3.dtype)  # [b,h,L,m]
-            probs = k1 @ coef  # [b,h,n,m]
-        return AttnOutput(out, probs)
+        need_weights, eps = ctx.need_weights, self.cfg.eps
+
+        def heads(q, k, v) -> AttnOutput:  # heads are independent: a few at a time
+            q, k, ql, kl = _landmarks(q, k, num, scale, keep)
+            k1, k3 = _side_kernels(q, k, ql, kl, scale, keep)  # [b,g,n,L], [b,g,L,m]
+            k2 = torch.softmax(ql @ kl.transpose(-1, -2), dim=-1)  # M [b,g,L,L]
+            reg = k2.float() + eps * eye  # M + eps I [b,g,L,L]
+            x = torch.linalg.solve(reg, (k3 @ v).float()).to(v.dtype)  # [b,g,L,dv]
+            probs = None
+            if need_weights:
+                coef = torch.linalg.solve(reg, k3.float(), left=True).to(k3.dtype)  # [b,g,L,m]
+                probs = k1 @ coef  # [b,g,n,m]
+            return AttnOutput(k1 @ x, probs)  # out [b,g,n,dv]
+
+        return over_head_groups(heads, (q, k, v), _bytes_per_head(q, num))

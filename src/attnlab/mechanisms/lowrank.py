@@ -27,6 +27,7 @@ from ..core import (
     check_qkv,
     register_mechanism,
 )
+from ..core.slicing import over_head_groups
 from .dense import Softmax, SoftmaxConfig
 from .sparse import Band, BandConfig
 
@@ -153,22 +154,30 @@ class Linformer(nn.Module):
                 "linformer cannot be causal (each compressed slot mixes all positions); "
                 "use it in encoders only"
             )
-        if ctx.key_mask is not None:
-            keep = ctx.key_mask[:, None, :, None].to(k.dtype)  # [b,1,m,1]
-            k, v = k * keep, v * keep
-        kp = self._project(self.E, k)  # [b,h,k,d]
-        vp = self._project(self.value_proj, v)  # [b,h,k,dv]
-        scores = (q @ kp.transpose(-1, -2)) * ctx.scale_for(q.shape[-1])  # [b,h,n,k]
-        p = torch.softmax(scores, dim=-1)  # [b,h,n,k]
-        pd = F.dropout(p, ctx.dropout, training=True) if self.training and ctx.dropout else p
-        out = pd @ vp  # [b,h,n,dv]
-        probs = None
-        if ctx.need_weights:
-            fm = self.value_proj[..., :m].to(p.dtype)  # [k,m] or [h,k,m]
-            probs = p @ fm  # [b,h,n,m]
-            if ctx.key_mask is not None:
-                probs = probs * ctx.key_mask[:, None, None, :].to(probs.dtype)
-        return AttnOutput(out, probs)
+        key_mask, scale, drop = ctx.key_mask, ctx.scale_for(q.shape[-1]), ctx.dropout
+        training, need_weights = self.training, ctx.need_weights
+
+        def heads(q, k, v, e, f) -> AttnOutput:  # a group of g heads; e, f [k,N] or [g,k,N]
+            if key_mask is not None:
+                keep = key_mask[:, None, :, None].to(k.dtype)  # [b,1,m,1]
+                k, v = k * keep, v * keep
+            kp, vp = self._project(e, k), self._project(f, v)  # [b,g,k,d], [b,g,k,dv]
+            p = torch.softmax((q @ kp.transpose(-1, -2)) * scale, dim=-1)  # [b,g,n,k]
+            pd = F.dropout(p, drop, training=True) if training and drop else p
+            probs = None
+            if need_weights:
+                probs = p @ f[..., :m].to(p.dtype)  # [b,g,n,k] @ [k,m] or [g,k,m]
+                if key_mask is not None:
+                    probs = probs * key_mask[:, None, None, :].to(probs.dtype)
+            return AttnOutput(pd @ vp, probs)  # out [b,g,n,dv]
+
+        # heads are independent: a few at a time keeps [b,g,n,k] small (core/slicing.py)
+        per_head = q.shape[0] * q.shape[2] * self.cfg.k * q.element_size()
+        if self.E.dim() == 3:  # one E, F per head: cut them with the heads
+            return over_head_groups(heads, (q, k, v), per_head,
+                                    per_head=(self.E, self.value_proj))
+        e, f = self.E, self.value_proj
+        return over_head_groups(lambda q, k, v: heads(q, k, v, e, f), (q, k, v), per_head)
 
 
 # ------------------------------------------------------------------------- low rank + band

@@ -24,6 +24,7 @@ from ..core import (
     masked_softmax,
     register_mechanism,
 )
+from ..core.slicing import over_head_groups
 from .memory import FAMILY
 from .sparse import Band, BandConfig
 
@@ -211,15 +212,33 @@ class Poolingformer(nn.Module):
                 else ctx.key_mask.to(device=q.device, dtype=torch.bool).expand(b, n))
         first = self.level1(q, k, v, ctx)
         y = first.out  # [b,h,n,dv]
-        q2, k2, v2 = (y, y, y) if c.stacked else (q, k, v)
-        ks, count, start, end = pool_slots(k2, keep, c.pool_size, self.stride, c.pool,
-                                           self.pool_weight)  # [b,h,S,d]
-        vs = ks if c.stacked else pool_slots(v2, keep, c.pool_size, self.stride, c.pool,
-                                             self.pool_weight)[0]  # [b,h,S,dv]
         p = ctx.dropout if self.training else 0.0
-        z, slot_p = slot_attention(q2, ks, vs, count > 0, start, end, window2=c.window2,
-                                   stride=self.stride, causal=ctx.causal,
-                                   scale=ctx.scale_for(d), p=p, dense_probs=ctx.need_weights)
+        spans: list[torch.Tensor] = []  # count [b,S], start [S], end [S]: the same per group
+
+        def level2(*parts) -> AttnOutput:
+            """Level 2 for a group of g heads; parts: (y,) stacked or (q, k, v), then the
+            group's conv kernel [g,dv,kappa] when pool="conv"."""
+            q2, k2, v2 = parts[:3] if not c.stacked else parts[:1] * 3
+            pw = parts[-1] if self.pool_weight is not None else None
+            ks, count, start, end = pool_slots(k2, keep, c.pool_size, self.stride, c.pool,
+                                               pw)  # [b,g,S,d]
+            vs = ks if c.stacked else pool_slots(v2, keep, c.pool_size, self.stride, c.pool,
+                                                 pw)[0]  # [b,g,S,dv]
+            spans[:] = [count, start, end]
+            z, slot_p = slot_attention(q2, ks, vs, count > 0, start, end, window2=c.window2,
+                                       stride=self.stride, causal=ctx.causal,
+                                       scale=ctx.scale_for(d), p=p,
+                                       dense_probs=ctx.need_weights)
+            return AttnOutput(z, slot_p)  # [b,g,n,dv], [b,g,n,S] or None
+
+        # Level 2's per-block key sets [b,h,nb,W,d] and scores [b,h,nb,bq,W] grow with n:
+        # a few heads at a time keep them small (core/slicing.py); heads are independent.
+        per_head = b * n * ((SLOT_BLOCK + 2 * c.window2) // self.stride + 1) * 4
+        second = over_head_groups(level2, (y,) if c.stacked else (q, k, v), per_head,
+                                  per_head=() if self.pool_weight is None
+                                  else (self.pool_weight,))
+        z, slot_p = second.out, second.probs
+        count, start, end = spans
         weights = None
         if ctx.need_weights:
             assert first.probs is not None and slot_p is not None

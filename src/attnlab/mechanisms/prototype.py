@@ -33,6 +33,7 @@ from ..core import (
     register_mechanism,
 )
 from ..core.masks import seeded_generator
+from ..core.slicing import over_head_groups
 from ._kmeans import ClusterDraws, cluster_queries, draw_clustering
 from .jat import probsparse_sizes
 
@@ -274,10 +275,22 @@ def _clustered_forward(
     _, qvalid = _valid(ctx.key_mask, b, n, k.shape[2], q.device)
     cfg = mech.cfg
     draws = mech.draws(n, ctx.layer_idx, d)
-    assign = cluster_queries(qw, draws, qvalid, cfg.clusters, cfg.iterations)  # [b,h,n]
-    out, probs = attend(qw, kw, vw, assign, key_mask=ctx.key_mask, scale=ctx.scale_for(d),
-                        dropout=ctx.dropout, training=mech.training,
-                        need_weights=ctx.need_weights)
+
+    def heads(qw, kw, vw) -> AttnOutput:  # a group of g heads (clustered per head)
+        assign = cluster_queries(qw, draws, qvalid, cfg.clusters, cfg.iterations)  # [b,g,n]
+        out, probs = attend(qw, kw, vw, assign, key_mask=ctx.key_mask,
+                            scale=ctx.scale_for(d), dropout=ctx.dropout,
+                            training=mech.training, need_weights=ctx.need_weights)
+        return AttnOutput(out, probs)
+
+    # The draws are shared by the heads and every head clusters on its own, so heads can
+    # run a few at a time (core/slicing.py): codes [b,n,B], distances [b,n,C] and the
+    # centroid maps [b,C,m] per head stay small.
+    per_head = b * max(n, k.shape[2]) * max(cfg.clusters, cfg.bits) * 4
+    if isinstance(cfg, ImprovedClusteredConfig):  # + the gathered top keys [b,n,k,d]
+        per_head = max(per_head, b * n * min(cfg.topk, k.shape[2]) * d * 4)
+    res = over_head_groups(heads, (qw, kw, vw), per_head)
+    out, probs = res.out, res.probs
     return AttnOutput(out.to(dtype), None if probs is None else probs.to(dtype))
 
 
@@ -380,13 +393,16 @@ def probsparse_keys(draws: torch.Tensor, kvalid: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def sparsity_measure(
     q: torch.Tensor, k: torch.Tensor, keys: torch.Tensor, lengths: torch.Tensor,
-    chunk_elems: int = 2**24,
+    chunk_elems: int = 2**21,
 ) -> torch.Tensor:
     """M(q_i, K) = max_s q_i . k_s - (1/L_b) sum_s q_i . k_s over the sampled keys s [b,h,n].
 
     q [b,h,n,d], k [b,h,m,d], keys [b,n,U] sampled key indices, lengths L_b [b] (official:
     divided by L_K; raw scores, no 1/sqrt(d): the ranking is the same). Computed in query
-    chunks of at most ``chunk_elems`` gathered key entries (memory O(chunk), no gradient).
+    chunks of at most ``chunk_elems`` gathered key entries (memory O(chunk), no gradient;
+    the default, 8 MB in fp32, stays below glibc's mmap ceiling, see core/slicing.py). The
+    sampled keys are whole rows of k, copied with ``index_select`` per batch row (the draws
+    are shared by the heads): an element-wise ``gather`` of the same rows is ~10x slower.
     """
     b, h, n, d = q.shape
     num = keys.shape[-1]
@@ -397,8 +413,12 @@ def sparsity_measure(
     for s0 in range(0, n, step):
         idx = keys[:, s0:s0 + step]  # [b,c,U]
         c = idx.shape[1]
-        flat = idx.reshape(b, 1, c * num, 1).expand(b, h, c * num, d)
-        k_s = k.gather(2, flat).view(b, h, c, num, d)  # sampled keys [b,h,c,U,d]
+        if b == 1:
+            k_s = k.index_select(2, idx.reshape(c * num))  # [1,h,c*U,d]
+        else:
+            k_s = torch.stack([k[i].index_select(1, idx[i].reshape(c * num))
+                               for i in range(b)])  # [b,h,c*U,d]
+        k_s = k_s.view(b, h, c, num, d)  # sampled keys [b,h,c,U,d]
         qk = torch.einsum("bhcd,bhcud->bhcu", q[:, :, s0:s0 + step], k_s)  # [b,h,c,U]
         parts.append(qk.amax(-1) - qk.sum(-1) / lengths.clamp(min=1)[:, None, None])
     return torch.cat(parts, dim=2)  # [b,h,n]

@@ -281,14 +281,14 @@ def bp_tree_nodes(x: torch.Tensor, keep: torch.Tensor, levels: int
     [b,N] bool: the span holds at least one kept token; fully padded spans get zeros).
     """
     b, h, n, d = x.shape
-    w = keep.to(x.dtype)  # [b,n]
-    xs = x * w[:, None, :, None]
+    cnt = keep.to(x.dtype)  # [b,n]
+    tot = x if bool(keep.all()) else x * cnt[:, None, :, None]  # [b,h,n,d]
     means, valid = [], []
-    for lvl in range(1, levels + 1):
-        s = 2**lvl
-        pad = -(-n // s) * s - n
-        tot = F.pad(xs, (0, 0, 0, pad)).view(b, h, -1, s, d).sum(3)  # [b,h,n/s,d]
-        cnt = F.pad(w, (0, pad)).view(b, -1, s).sum(2)  # [b,n/s]
+    for _ in range(levels):  # level l from level l-1: sums of node pairs (O(n*d) in all)
+        if tot.shape[2] % 2:
+            tot, cnt = F.pad(tot, (0, 0, 0, 1)), F.pad(cnt, (0, 1))
+        tot = tot.unflatten(2, (-1, 2)).sum(3)  # [b,h,n/2^l,d]
+        cnt = cnt.unflatten(1, (-1, 2)).sum(2)  # [b,n/2^l] kept tokens per node
         means.append(tot / cnt.clamp(min=1)[:, None, :, None])
         valid.append(cnt > 0)
     if not means:
