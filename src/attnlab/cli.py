@@ -140,18 +140,25 @@ def demo(
         list[str] | None,
         typer.Option(
             "--plan", "-p",
-            help="Plan rule LAYERS:HEADS:SPEC, repeatable; e.g. '0-2:all:band(window=8)'.",
+            help="Plan rule LAYERS:HEADS:SPEC, repeatable; e.g. '0-2:all:band(window=8)', "
+                 "or heads by class or score: 'all:class:vertical:band(window=8)', "
+                 "'all:entropy<1.5:band(window=8)' (needs --analysis).",
         ),
     ] = None,
     repeats: Annotated[int, typer.Option(help="Timed repeats per model.")] = 5,
+    analysis: Annotated[str | None, typer.Option(
+        help="Head analysis for class:/score rules: a head_scores.json of `attnlab analyze "
+             "heads` (or its folder), or task:NAME to analyse the model on NAME's dev split."
+    )] = None,
 ) -> None:
     """Apply a plan to the embedded MiniLM and compare it with the untouched model."""
     from .core import RegistryError
     from .recipes.demo import DEFAULT_PLAN, run_demo
 
     try:
-        rows, report = run_demo(plan or DEFAULT_PLAN, repeats=repeats)
-    except (RegistryError, ValueError) as e:
+        rows, report = run_demo(plan or DEFAULT_PLAN, repeats=repeats, analysis=analysis,
+                                echo=lambda text: console.print(text, markup=False))
+    except (RegistryError, ValueError, FileNotFoundError) as e:
         _fail(str(e))
         return
     console.print(report)

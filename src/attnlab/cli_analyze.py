@@ -1,4 +1,5 @@
-"""``attnlab analyze heads`` and ``attnlab report``: thin wrappers over recipes.analyze.
+"""``attnlab analyze heads|importance|connections`` and ``attnlab report``: thin wrappers over
+recipes (analyze, importance, connections, run_report).
 
 Registered in ``cli.py`` with ``app.add_typer(analyze_app, name="analyze")`` and
 ``app.command("report")(report)``. The recipes, attnlab.hf (transformers) and the plots
@@ -7,6 +8,7 @@ Registered in ``cli.py`` with ``app.add_typer(analyze_app, name="analyze")`` and
 
 from __future__ import annotations
 
+import math
 import shlex
 import sys
 from collections.abc import Iterable
@@ -143,6 +145,91 @@ def heads(
                            for k, s in doc["class_shares"].items())
         console.print(f"class shares ({shares}); wrote "
                       f"{outs[0].parent}/compare_class_shares.png/svg and compare.json")
+
+
+@analyze_app.command("importance")
+def importance(
+    model: Annotated[str, typer.Argument(
+        help="A finished run directory, or a saved model folder with its task head.",
+        show_default=False)],
+    task: Annotated[str | None, typer.Option(
+        help="Task whose labelled split is used. Default: the run's task, else cola.")] = None,
+    split: Annotated[str | None, typer.Option(help="Split. Default: the task's dev.")] = None,
+    data_dir: Annotated[str | None, typer.Option(
+        help="Data folder or 'builtin'. Default: the run's, else ../shared/data if present, "
+             "else builtin.")] = None,
+    limit: Annotated[int | None, typer.Option(help="First N examples only.")] = None,
+    batch_size: Annotated[int, typer.Option(help="Examples per forward pass.")] = 32,
+    max_length: Annotated[int | None, typer.Option(
+        help="Tokens per example. Default: the run's, else 128.")] = None,
+    analysis: Annotated[str | None, typer.Option(
+        help="Head classes from this head_scores.json (or its folder). Default: analyse the "
+             "model now on the same examples.")] = None,
+    normalize: Annotated[bool, typer.Option(
+        "--normalize/--no-normalize",
+        help="Divide each layer's importances by their l2 norm (Michel et al.'s code).")
+    ] = True,
+    ablation: Annotated[bool, typer.Option(
+        "--ablation/--no-ablation",
+        help="Also evaluate the task metric with each head, and each head class, masked "
+             "(1 + layers x heads + classes evaluations).")] = True,
+    metric: Annotated[str | None, typer.Option(
+        help="Metric of the ablation (one the task computes, e.g. accuracy). Default: the "
+             "task's main metric.")] = None,
+    out: Annotated[Path | None, typer.Option(
+        help="Output folder. Default: <run>/analysis, else runs/analysis-<model>.")] = None,
+) -> None:
+    """Head importance (Michel et al. 2019: E|dL/dxi_h| with a head mask xi) and ablation."""
+    from .recipes import analyze as rec  # start-up: the recipes load transformers
+    from .recipes.importance import run_importance, write_importance
+
+    try:
+        loaded = rec.load_model(model)
+        source = rec.source_for(loaded, rec.TextSource(
+            task=task or "cola", split=split, data_dir=data_dir, limit=limit,
+            max_length=max_length), task_given=task is not None)
+        seed = loaded.config.seed if loaded.config is not None else 0
+        result = run_importance(loaded, source, batch_size=batch_size, normalize=normalize,
+                                ablation=ablation, analysis=analysis, metric=metric,
+                                seed=seed, progress=_progress)
+        if Path(sys.argv[0]).name == "attnlab":  # not when called from Python/tests
+            result.meta["command"] = shlex.join(["attnlab", *sys.argv[1:]])
+        folder = out or rec.default_out(loaded)
+        write_importance(result, folder)
+    except _errors() as e:
+        _fail(str(e).strip("'\""))
+        return
+    _print_importance(result, folder)
+
+
+def _print_importance(result: Any, out: Path) -> None:
+    imp, abl, meta = result.importance, result.ablation, result.meta
+    norm = "per-layer l2-normalised" if imp.normalized else "raw"
+    table = Table(title=f"{meta['model_name']}: head importance ({norm}) by class, "
+                        f"{meta['examples']} examples of {meta['text']} "
+                        f"({meta['seconds']:.1f} s)")
+    for col in ("class", "heads", "mean importance", "mean delta (one head)",
+                "delta (class masked)"):
+        table.add_column(col, justify="left" if col == "class" else "right",
+                         no_wrap=col == "class")
+
+    def num(x: float, signed: bool = False) -> str:
+        return "n/a" if math.isnan(x) else (f"{x:+.4f}" if signed else f"{x:.4f}")
+
+    for r in result.by_class:
+        table.add_row(r["class"], str(r["heads"]), num(r["mean_importance"]),
+                      num(r["mean_head_delta"], True), num(r["class_delta"], True))
+    console.print(table)
+    if abl is not None:
+        console.print(f"{abl.metric} with every head: {abl.baseline:.4f}; delta = masked minus "
+                      "that")
+    flat = imp.importance.flatten()
+    top = flat.argsort(descending=True)[:5].tolist()
+    heads = imp.importance.shape[1]
+    console.print("most important heads (layer:head): " + ", ".join(
+        f"{k // heads}:{k % heads} ({float(flat[k]):.3f})" for k in top))
+    figures = "importance" + (", ablation" if abl is not None else "")
+    console.print(f"wrote {out}/ (importance.json/csv/md, {figures}.png/svg)")
 
 
 def report(

@@ -98,6 +98,9 @@ class ExperimentConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     plan: list[Any] = field(default_factory=list)  # attention plan rules (see attnlab.Plan)
+    # head analysis for plan rules that choose heads by class or score (heads: class:vertical):
+    # a head_scores.json (or its folder), or task / task:NAME to compute it on a dev split
+    analysis: str | None = None
     tuning: TuningConfig = field(default_factory=TuningConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -194,14 +197,25 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if d is not None and d != "builtin" and not Path(d).expanduser().is_absolute():
         cfg = dataclasses.replace(cfg, task=dataclasses.replace(
             cfg.task, data_dir=str(Path(d).expanduser().resolve())))
+    a = cfg.analysis
+    if a is not None and not computed_analysis(a) and not Path(a).expanduser().is_absolute():
+        cfg = dataclasses.replace(cfg, analysis=str(Path(a).expanduser().resolve()))
     return cfg
+
+
+def computed_analysis(analysis: str) -> bool:
+    """Whether ``analysis`` is ``task`` / ``task:NAME`` (computed on a dev split by
+    ``recipes.head_select``), not the path of a saved head analysis."""
+    text = analysis.strip()
+    return text == "task" or text.startswith("task:")
 
 
 def _paths_from(folder: Path, data: dict[str, Any]) -> dict[str, Any]:
     """Relative paths written in a config file are relative to that file: ``task.data_dir``
-    always, ``model.name`` when it names an existing folder there (else it is a hub id or
-    ``default``/``scratch:SIZE``). Paths given as overrides stay relative to the current
-    folder, and ``output_dir`` too (where the user runs is where runs go)."""
+    and ``analysis`` (unless ``task``/``task:NAME``) always, ``model.name`` when it names an
+    existing folder there (else it is a hub id or ``default``/``scratch:SIZE``). Paths given
+    as overrides stay relative to the current folder, and ``output_dir`` too (where the user
+    runs is where runs go)."""
     task, model = data.get("task"), data.get("model")
     if isinstance(task, dict) and isinstance(task.get("data_dir"), str):
         d = task["data_dir"]
@@ -210,6 +224,9 @@ def _paths_from(folder: Path, data: dict[str, Any]) -> dict[str, Any]:
             # run folders written before paths were resolved hold cwd-relative paths
             if here.exists() or not Path(d).exists():
                 data = {**data, "task": {**task, "data_dir": str(here)}}
+    a = data.get("analysis")
+    if isinstance(a, str) and not computed_analysis(a) and not Path(a).expanduser().is_absolute():
+        data = {**data, "analysis": str((folder / Path(a).expanduser()).resolve())}
     if isinstance(model, dict) and isinstance(model.get("name"), str):
         name = model["name"]
         if not Path(name).is_absolute() and (folder / name / "config.json").is_file():

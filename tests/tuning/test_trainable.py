@@ -21,6 +21,8 @@ EXPECTED = {
             r"|base_model\.model\.classifier\.modules_to_save\.default\.(weight|bias)",
     "prefix": rf"bert\.attnlab_prefix\.embedding\.weight|{HEAD}",
     "diff_prune": rf"bert\..*\.parametrizations\.\w+\.0\.(w|log_alpha)|{HEAD}",
+    "wo_sparse": r".*",
+    "mae": r".*",  # the gates (attention.self.mae_gate.*) included
 }
 
 

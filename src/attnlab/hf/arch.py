@@ -37,6 +37,8 @@ class Family:
     proj: tuple[str, str, str]  # attribute names of the Q, K, V projections
     heads_attr: str  # attribute on the module giving its head count
     head_dim_attr: str  # attribute on the module giving the head dim
+    # output projection W_O, a path from the self-attention module ("../" = from its parent)
+    out_proj: str = "../output.dense"
 
 
 _BERT_LAYOUT = Family("SelfAttention", ("query", "key", "value"), "num_attention_heads",
@@ -53,9 +55,10 @@ FAMILIES: dict[str, Family] = {
     "ernie": _BERT_LAYOUT,
     "roberta-prelayernorm": _BERT_LAYOUT,
     "distilbert": Family("SelfAttention", ("q_lin", "k_lin", "v_lin"), "n_heads",
-                         "attention_head_size"),
+                         "attention_head_size", out_proj="out_lin"),
     # fused Wqkv, RoPE applied before the interface, alternating local/global layers
-    "modernbert": Family("Attention", ("Wqkv", "Wqkv", "Wqkv"), "num_heads", "head_dim"),
+    "modernbert": Family("Attention", ("Wqkv", "Wqkv", "Wqkv"), "num_heads", "head_dim",
+                         out_proj="Wo"),
 }
 
 _OWN_ATTENTION = (
@@ -225,3 +228,42 @@ def inspect_model(model: nn.Module) -> Host:
         fused=proj[0] == proj[1],
         windows=layer_windows(attn, config),
     )
+
+
+# Output projections of models outside FAMILIES, tried in order (see Family.out_proj).
+_GENERIC_OUT_PROJ = ("o_proj", "out_proj", "out_lin", "Wo", "../output.dense", "dense")
+
+
+def output_projections(model: nn.Module, host: Host | None = None
+                       ) -> tuple[tuple[str, nn.Linear], ...]:
+    """(qualified name, W_O) of every self-attention layer, in layer order.
+
+    W_O maps the concatenated head outputs [.., h*dv] to the model width; head i owns its
+    input columns i*dv:(i+1)*dv (``weight[:, i*dv:(i+1)*dv]``, ``dv = in_features / h``).
+    """
+    host = host if host is not None else inspect_model(model)
+    family = FAMILIES.get(host.model_type) if host.family != "generic" else None
+    paths = (family.out_proj,) if family is not None else _GENERIC_OUT_PROJ
+    named = {id(m): n for n, m in model.named_modules()}
+    modules = dict(model.named_modules())
+    found = []
+    for attn in host.attention:
+        name = named[id(attn)]
+        for path in paths:
+            base, rel = name, path
+            while rel.startswith("../"):
+                base, rel = base.rpartition(".")[0], rel[3:]
+            full = f"{base}.{rel}" if base else rel
+            layer = modules.get(full)
+            if layer is not None and _is_linear(layer):
+                # peft's LoRA layers keep the Linear as base_layer
+                lin = layer if isinstance(layer, nn.Linear) else layer.base_layer
+                if isinstance(lin, nn.Linear) and lin.in_features % host.num_heads == 0:
+                    found.append((full, lin))
+                    break
+        else:
+            raise UnsupportedModelError(
+                f"cannot find the output projection of {name} ({type(attn).__name__}; looked "
+                f"for {', '.join(paths)}); add its family's out_proj to attnlab.hf.arch.FAMILIES"
+            )
+    return tuple(found)

@@ -38,6 +38,7 @@ BACKEND = "attnlab"  # the name registered in AttentionInterface / AttentionMask
 LAYER_ATTR = "attnlab"  # attention-module attribute holding the installed AttnlabLayer
 STATE_ATTR = "_attnlab_forward_state"  # base-model attribute holding the ForwardState
 REPLAY_KWARG = "attnlab_replay"  # keyword carrying a checkpointed forward's Replay downwards
+HEAD_MASK_ATTR = "_attnlab_head_mask"  # attention-module attribute: head mask xi (hf.headmask)
 
 
 class Replay:
@@ -454,7 +455,19 @@ def attnlab_attention(
         _check_replayable(layer, replay, state)
     if recorder is not None:
         recorder.record(module, probs, missing)
+    gate = getattr(module, HEAD_MASK_ATTR, None)
+    if gate is not None:  # hf.headmask: each head's output times xi, before W_O
+        out = out * _head_gate(gate, b, h).to(out.dtype)
     return out.transpose(1, 2).contiguous(), probs  # [b,n,h,d], [b,h,n,m] | None
+
+
+def _head_gate(gate: torch.Tensor, b: int, h: int) -> torch.Tensor:
+    """A layer's head mask, [h] (one for the batch) or [b, h] (per example), as
+    [1|b, h, 1, 1] to scale out [b, h, n, dv]."""
+    if gate.shape not in ((h,), (b, h)):
+        raise ValueError(f"head mask of shape {tuple(gate.shape)} for a layer of {h} heads "
+                         f"and a batch of {b}; give [layers, {h}] or [{b}, layers, {h}]")
+    return gate.reshape(-1, h, 1, 1)
 
 
 def register_backend() -> str:

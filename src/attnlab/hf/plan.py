@@ -14,6 +14,17 @@ Accepted forms (all parse to the same :class:`Plan`):
 * compact command-line strings ``"LAYERS:HEADS:SPEC"`` such as ``"0-2:all:band(window=8)"``,
   given as a list or joined with ``;`` (a bare ``SPEC`` means ``all:all:SPEC``).
 
+Heads may also be chosen by what they do, with a :class:`HeadSelector` instead of indices:
+``class:vertical`` (any head class of ``attnlab.analysis``: ``vertical``, ``diagonal``,
+``vertical+diagonal``, ``block``, ``heterogeneous``) or a threshold on one score of a head
+analysis, ``vertical>=0.8`` / ``entropy<1.5`` (operators ``>=``, ``>``, ``<=``, ``<``). In the
+compact form a class selector is the one place where HEADS holds a colon:
+``"all:class:vertical:band(window=8)"`` (four top-level fields, the second being ``class``);
+thresholds hold none (``"0-2:entropy<1.5:band(window=8)"``). A selector stays symbolic here:
+this layer knows no analysis. ``attnlab.recipes.head_select.resolve_plan`` turns it into
+explicit indices (one rule per group of layers) before ``apply_plan``, which refuses a plan
+that still holds one, and the explicit plan is what ``plan.json`` saves.
+
 Mechanisms are resolved with ``core.resolve_config`` while parsing, so an unknown mechanism
 or key fails at once, and the error names the rule.
 
@@ -29,6 +40,7 @@ shape only by :meth:`Plan.resolve` (and fully by ``hf.surgery.apply_plan``).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -119,35 +131,110 @@ def _indices_text(idx: Indices) -> str:
     return ",".join(parts)
 
 
+# ------------------------------------------------------------------------------ head selectors
+
+CLASS_PREFIX = "class:"
+SCORE_OPS = (">=", "<=", ">", "<")  # longest first, so ">=" is not read as ">"
+_THRESHOLD = re.compile(
+    r"\s*([A-Za-z_]\w*(?:\([^()]*\))?)\s*(>=|<=|>|<)\s*"
+    r"([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*")
+
+
+@dataclass(frozen=True)
+class HeadSelector:
+    """Heads chosen by a head analysis: ``class:NAME`` or ``SCORE OP VALUE`` (symbolic).
+
+    Resolved against an analysis by ``attnlab.recipes.head_select.resolve_plan``; the class
+    names and score labels are checked there, against the analysis (this module imports no
+    analysis).
+    """
+
+    kind: str  # "class" (a head class) or "score" (a threshold on a score)
+    name: str  # the class name, or the score label as in head_scores.json ("entropy")
+    op: str = ""  # score only: one of SCORE_OPS
+    value: float = 0.0  # score only: the threshold
+
+    def __str__(self) -> str:
+        if self.kind == "class":
+            return f"{CLASS_PREFIX}{self.name}"
+        return f"{self.name}{self.op}{self.value!r}"
+
+    def matches(self, score: float) -> bool:
+        """The threshold test for one head's score (False for NaN)."""
+        return {">=": score >= self.value, ">": score > self.value,
+                "<=": score <= self.value, "<": score < self.value}[self.op]
+
+
+def parse_selector(value: Any) -> HeadSelector | None:
+    """``"class:vertical"`` or ``"entropy<1.5"`` -> HeadSelector; anything else -> None."""
+    if isinstance(value, HeadSelector):
+        return value
+    if not isinstance(value, str):
+        return None
+    text = value.strip()
+    if text.lower() == CLASS_PREFIX[:-1]:
+        raise PlanError(f"heads {value!r}: name the class, as class:vertical (compact form "
+                        "LAYERS:class:NAME:SPEC, e.g. all:class:vertical:band(window=8))")
+    if text.lower().startswith(CLASS_PREFIX):
+        name = text[len(CLASS_PREFIX):].strip()
+        if not name:
+            raise PlanError(f"heads {value!r}: name the class, e.g. class:vertical")
+        return HeadSelector("class", name)
+    m = _THRESHOLD.fullmatch(text)
+    if m is None:
+        if any(op in text for op in SCORE_OPS):
+            raise PlanError(f"heads {value!r}: write a threshold as SCORE OP NUMBER with OP "
+                            "one of >=, >, <=, <, e.g. vertical>=0.8 or entropy<1.5")
+        return None
+    return HeadSelector("score", m.group(1), m.group(2), float(m.group(3)))
+
+
+def _parse_heads(value: Any, what: str) -> Indices | HeadSelector:
+    """Heads of a rule: indices as :func:`parse_indices`, or a :class:`HeadSelector`."""
+    selector = parse_selector(value)
+    return selector if selector is not None else parse_indices(value, what)
+
+
 # ------------------------------------------------------------------------------------- rules
 
 
 @dataclass(frozen=True)
 class Rule:
-    """Give ``mechanism`` to ``heads`` of ``layers`` ("all" or sorted 0-based indices)."""
+    """Give ``mechanism`` to ``heads`` of ``layers`` ("all" or sorted 0-based indices; heads
+    may also be a :class:`HeadSelector`, to be resolved against a head analysis)."""
 
     layers: Indices
-    heads: Indices
+    heads: Indices | HeadSelector
     mechanism: MechanismConfig
 
     def __post_init__(self) -> None:
         # Accept the loose forms too: Rule("0-2", "all", "band(window=8)").
         if not (self.layers == "all" or _is_index_tuple(self.layers)):
             object.__setattr__(self, "layers", parse_indices(self.layers, "Rule.layers"))
-        if not (self.heads == "all" or _is_index_tuple(self.heads)):
-            object.__setattr__(self, "heads", parse_indices(self.heads, "Rule.heads"))
+        if not (self.heads == "all" or _is_index_tuple(self.heads)
+                or isinstance(self.heads, HeadSelector)):
+            object.__setattr__(self, "heads", _parse_heads(self.heads, "Rule.heads"))
         if not isinstance(self.mechanism, MechanismConfig):
             try:
                 object.__setattr__(self, "mechanism", resolve_config(self.mechanism))
             except (RegistryError, TypeError) as e:
                 raise PlanError(f"Rule.mechanism: {e}") from None
 
+    @property
+    def selector(self) -> HeadSelector | None:
+        """The rule's HeadSelector, or None when its heads are indices."""
+        return self.heads if isinstance(self.heads, HeadSelector) else None
+
     def describe(self) -> str:
         """Compact form ``LAYERS:HEADS:SPEC``, also accepted by :meth:`Plan.parse`."""
-        return f"{_indices_text(self.layers)}:{_indices_text(self.heads)}:{self.mechanism.spec()}"
+        heads = str(self.heads) if isinstance(self.heads, HeadSelector) else _indices_text(
+            self.heads)
+        return f"{_indices_text(self.layers)}:{heads}:{self.mechanism.spec()}"
 
     def to_dict(self) -> dict[str, Any]:
-        def idx(v: Indices) -> str | list[int]:
+        def idx(v: Indices | HeadSelector) -> str | list[int]:
+            if isinstance(v, HeadSelector):
+                return str(v)
             return "all" if v == "all" else list(v)
 
         return {
@@ -166,7 +253,10 @@ def _rule_from_mapping(raw: Mapping[str, Any], pos: int) -> Rule:
     if "mechanism" not in raw:
         raise PlanError(f"{where}: missing 'mechanism', e.g. mechanism: band(window=64)")
     layers = parse_indices(raw.get("layers", "all"), f"{where}, layers")
-    heads = parse_indices(raw.get("heads", "all"), f"{where}, heads")
+    try:
+        heads = _parse_heads(raw.get("heads", "all"), f"{where}, heads")
+    except PlanError as e:
+        raise PlanError(f"{where}: {e}") from None
     try:
         mech = resolve_config(raw["mechanism"])
     except (RegistryError, TypeError) as e:
@@ -175,13 +265,20 @@ def _rule_from_mapping(raw: Mapping[str, Any], pos: int) -> Rule:
 
 
 def _rule_from_compact(text: str, pos: int) -> Rule:
-    """``"0-2:all:band(window=8)"``; a bare ``"band(window=8)"`` means all layers, all heads."""
-    fields = split_top(text.strip(), ":", maxsplit=2)
+    """``"0-2:all:band(window=8)"``; a bare ``"band(window=8)"`` means all layers, all heads;
+    ``"all:class:vertical:band(window=8)"``: HEADS is the class selector ``class:vertical``.
+
+    Unambiguous: a spec never holds a colon outside brackets and quotes, so the top-level
+    fields are 1 (SPEC), 3 (LAYERS:HEADS:SPEC) or 4 with ``class`` second."""
+    fields = split_top(text.strip(), ":")
     if len(fields) == 1:
         fields = ["all", "all", fields[0]]
+    elif len(fields) == 4 and fields[1].strip().lower() == CLASS_PREFIX[:-1]:
+        fields = [fields[0], f"{CLASS_PREFIX}{fields[2].strip()}", fields[3]]
     elif len(fields) != 3:
         raise PlanError(
             f"plan rule {pos} ({text!r}): write LAYERS:HEADS:SPEC, e.g. '0-2:all:band(window=8)'"
+            " or 'all:class:vertical:band(window=8)'"
         )
     layers, heads, spec = (f.strip() for f in fields)
     return _rule_from_mapping({"layers": layers, "heads": heads, "mechanism": spec}, pos)
@@ -249,12 +346,18 @@ class Plan:
                          if p.strip()))
 
     # -- resolution ----------------------------------------------------------------------
+    @property
+    def selective(self) -> bool:
+        """Whether a rule still chooses its heads with a :class:`HeadSelector`."""
+        return any(r.selector is not None for r in self.rules)
+
     def resolve_with_rules(
         self, num_layers: int, num_heads: int
     ) -> dict[int, dict[int, tuple[MechanismConfig, int | None]]]:
         """{layer: {head: (config, index of the rule that set it or None)}} for every head.
 
-        Raises :class:`PlanError` naming the rule when an index is out of range.
+        Raises :class:`PlanError` naming the rule when an index is out of range, or when a
+        rule still holds a :class:`HeadSelector` (resolve it against an analysis first).
         """
         softmax = resolve_config(SOFTMAX)
         table: dict[int, dict[int, tuple[MechanismConfig, int | None]]] = {
@@ -262,6 +365,12 @@ class Plan:
             for layer in range(num_layers)
         }
         for pos, rule in enumerate(self.rules):
+            if isinstance(rule.heads, HeadSelector):
+                raise PlanError(
+                    f"plan rule {pos} ({rule.describe()}) chooses heads by a head analysis "
+                    f"({rule.selector}) that was not given; pass one: --analysis "
+                    "head_scores.json (or task:NAME), analysis: in the config, or in Python "
+                    "attnlab.recipes.head_select.resolve_plan(plan, table)")
             layers = range(num_layers) if rule.layers == "all" else rule.layers
             heads = range(num_heads) if rule.heads == "all" else rule.heads
             _check_range(pos, rule, "layer", layers, num_layers)

@@ -13,15 +13,24 @@ and mechanism parameters shared across layers, ``Mechanism.tie``, which the re-a
 ties again). It returns the model only; a tokenizer saved alongside loads with
 ``transformers.AutoTokenizer.from_pretrained(path)``.
 
+Modules added outside ``hf/`` (MAE's gates, :mod:`attnlab.tuning.mae`) save and reload the
+same way: the code that adds them records itself on the model (:func:`mark_rebuild`) and
+registers how to add them again (:func:`register_rebuilder`); ``save_pretrained`` writes
+those records to ``rebuild.json`` and ``load_pretrained`` replays them after the plan, before
+the strict weight load.
+
 A folder saved this way also opens with plain ``AutoModel.from_pretrained`` only if the plan
 adds no parameters and shrinks nothing; use :func:`load_pretrained` for the rest.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import json
 import os
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +47,27 @@ from .surgery import SurgeryError, applied_report, apply_plan
 
 PLAN_FILE = "plan.json"
 SURGERY_FILE = "surgery.json"
+REBUILD_FILE = "rebuild.json"
+REBUILD_ATTR = "_attnlab_rebuild"  # model attribute: {name: JSON payload} (mark_rebuild)
+_REBUILDERS: dict[str, Callable[[nn.Module, Any], None]] = {}
+
+
+def register_rebuilder(name: str, rebuild: Callable[[nn.Module, Any], None]) -> None:
+    """Let :func:`load_pretrained` add again what ``name`` added to a model: it calls
+    ``rebuild(model, payload)`` with the payload given to :func:`mark_rebuild`."""
+    _REBUILDERS[name] = rebuild
+
+
+def mark_rebuild(model: nn.Module, name: str, payload: Any) -> None:
+    """Record on ``model`` that ``name`` added modules to it; ``payload`` (JSON) is what the
+    registered rebuilder needs to add them again. The record names the rebuilder's module,
+    which :func:`load_pretrained` imports when nothing has yet."""
+    if name not in _REBUILDERS:
+        raise ValueError(f"mark_rebuild: no rebuilder registered as {name!r}; call "
+                         "register_rebuilder first")
+    records = dict(getattr(model, REBUILD_ATTR, None) or {})
+    records[name] = {"module": _REBUILDERS[name].__module__, "payload": payload}
+    setattr(model, REBUILD_ATTR, records)
 
 
 def save_pretrained(model: nn.Module, path: str | os.PathLike, tokenizer: Any = None) -> Path:
@@ -56,6 +86,11 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, tokenizer: Any = 
     atomic_write(out / PLAN_FILE, plan.to_json())
     surgery: dict[str, Any] = report.to_dict() if report is not None else {"max_len": None}
     atomic_write(out / SURGERY_FILE, json.dumps(surgery, indent=2))
+    records = getattr(model, REBUILD_ATTR, None)
+    if records:
+        atomic_write(out / REBUILD_FILE, json.dumps(records, indent=2))
+    else:
+        (out / REBUILD_FILE).unlink(missing_ok=True)  # left by an earlier save to this folder
     return out
 
 
@@ -117,6 +152,23 @@ def _tied_aliases(model: nn.Module) -> dict[str, set[str]]:
     return {n: names for names in by_tensor.values() for n in names}
 
 
+def _rebuild(model: nn.Module, folder: Path) -> None:
+    """Replay ``rebuild.json``: add again the modules recorded with :func:`mark_rebuild`."""
+    file = folder / REBUILD_FILE
+    if not file.exists():
+        return
+    for name, record in json.loads(file.read_text()).items():
+        if name not in _REBUILDERS:  # the module that registers it, named in the record
+            with contextlib.suppress(ImportError):
+                importlib.import_module(record["module"])
+        if name not in _REBUILDERS:
+            raise SurgeryError(
+                f"{folder} holds modules added by {name!r}, and importing "
+                f"{record['module']!r} did not register a way to add them again; install the "
+                "attnlab version that saved the folder")
+        _REBUILDERS[name](model, record["payload"])
+
+
 def load_pretrained(path: str | os.PathLike, auto_class: Any = None) -> nn.Module:
     """Rebuild the model saved by :func:`save_pretrained` with its plan and weights.
 
@@ -146,6 +198,7 @@ def load_pretrained(path: str | os.PathLike, auto_class: Any = None) -> nn.Modul
         max_len = json.loads(surgery_file.read_text()).get("max_len")
     if plan.rules:  # nothing to convert: the saved weights replace the projections
         apply_plan(model, plan, max_len=max_len, convert_projections=False)
+    _rebuild(model, folder)
 
     state = _read_state_dict(folder)
     floats = {t.dtype for t in state.values() if t.is_floating_point()}

@@ -10,14 +10,15 @@ from __future__ import annotations
 import copy
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from ..bench.memory import peak_memory_mb
-from ..hf.plan import Plan
 from ..hf.surgery import SurgeryReport, apply_plan
 from ..models import load_default_model
+from .head_select import resolve_for_model
 
 DEFAULT_PLAN = ["0-2:all:band(window=8)"]
 
@@ -67,15 +68,25 @@ def _measure(model, batch, repeats: int) -> tuple[torch.Tensor, float, float]:
 
 
 def run_demo(
-    plan: list[str] | None = None, repeats: int = 5, sentences: list[str] | None = None
+    plan: list[str] | None = None, repeats: int = 5, sentences: list[str] | None = None,
+    analysis: str | None = None, echo: Callable[[str], None] | None = None,
 ) -> tuple[list[DemoRow], SurgeryReport]:
-    """Baseline vs the plan on the embedded model; returns the table rows and the report."""
+    """Baseline vs the plan on the embedded model; returns the table rows and the report.
+
+    analysis: for rules that choose heads by class or score (``all:class:vertical:...``), a
+    ``head_scores.json`` (or its folder) or ``task:NAME`` to analyse the embedded model on
+    that task's dev split (``recipes.head_select``); ``echo`` gets the table of matched heads.
+    """
     torch.manual_seed(0)
     base, tokenizer = load_default_model("base")
     base.eval()
     batch = tokenizer(sentences or SENTENCES, padding=True, return_tensors="pt")
+    resolved, selection = resolve_for_model(plan or DEFAULT_PLAN, base, tokenizer, analysis,
+                                            name="default")
+    if selection is not None and echo is not None:
+        echo(str(selection))
     modified = copy.deepcopy(base)
-    report = apply_plan(modified, Plan.parse(plan or DEFAULT_PLAN))
+    report = apply_plan(modified, resolved)
     modified.eval()
     ref, ms, peak = _measure(base, batch, repeats)
     rows = [DemoRow("untouched (sdpa)", 1.0, 1.0, ms, peak)]

@@ -7,8 +7,9 @@
 5. train with ``train.loop.fit`` (Accelerate), evaluating on the dev split; tuners whose
    ``finalize`` changes the model (Diff-Prune's magnitude pruning) finalize the best model,
    which is then re-evaluated: that is the run's result and what is saved;
-6. write ``summary.json`` (metrics, parameters trained, time per step, peak memory) and
-   the model (``model/`` with plan.json, or only the tuned weights for adapters/peft).
+6. write ``summary.json`` (metrics, parameters trained, time per step, peak memory; for
+   ``wo_sparse`` the heads' W_O subspace overlap before and after training) and the model
+   (``model/`` with plan.json, or only the tuned weights for adapters/peft).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
+from ..analysis.overlap import format_overlap, model_overlap
 from ..config import (
     ConfigError,
     ExperimentConfig,
@@ -45,9 +47,14 @@ from ..train.memory import peak_rss_mb, reset_peak_rss
 from ..train.optim import OptimSettings, build_optimizer
 from ..tuning.accounting import count_parameters
 from ..tuning.base import TaskInfo, TaskKind, load_tuned_file, resolve_tuning, save_tuned
+from .head_select import Selection, resolve_run_plan
 from .preflight import preflight
 from .rundir import now, provenance, prune_finished
 from .summary import RunSummary, write_summary
+
+# Tuners whose runs store the heads' W_O subspace overlap before and after training
+# (summary.json "head_overlap", attnlab.analysis.overlap).
+OVERLAP_TUNERS = ("wo_sparse",)
 
 
 def task_kind(task) -> TaskKind:
@@ -189,9 +196,10 @@ def run_experiment(cfg: ExperimentConfig, resume: bool = False,
     """
     cfg = with_optim_defaults(cfg)  # config.yaml and resume checks see the values used
     preflight(cfg)  # what `attnlab validate` refuses, refused before anything is loaded
+    cfg, selection = resolve_run_plan(cfg)  # class:/score selectors -> explicit heads
     started, t0 = now(), time.perf_counter()
     try:
-        return _run_experiment(cfg, resume, stop_after, started, t0)
+        return _run_experiment(cfg, resume, stop_after, started, t0, selection)
     except BaseException as e:
         if cfg.run_dir.is_dir():
             write_summary(cfg.run_dir, RunSummary(
@@ -203,11 +211,13 @@ def run_experiment(cfg: ExperimentConfig, resume: bool = False,
 
 
 def _run_experiment(cfg: ExperimentConfig, resume: bool, stop_after: int | None,
-                    started: str, t0: float) -> dict[str, Any]:
+                    started: str, t0: float, selection: Selection | None) -> dict[str, Any]:
     reset_peak_rss()  # peak memory of this run, not of earlier runs in the process
     _release_other_precision(cfg.train.mixed_precision)
     accelerator = Accelerator(mixed_precision=cfg.train.mixed_precision,
                               cpu=not torch.cuda.is_available())
+    if selection is not None and accelerator.is_main_process:
+        print(selection)  # the heads the plan's class:/score selectors matched
     if resume:
         check_resumable(cfg.run_dir, cfg)
     run = _prepare(cfg, accelerator)
@@ -220,6 +230,8 @@ def _run_experiment(cfg: ExperimentConfig, resume: bool, stop_after: int | None,
                    cfg.run_dir / "tuned.safetensors")
         if summary.status == "finished" and not cfg.train.keep_checkpoints:
             prune_finished(cfg.run_dir)
+        if summary.head_overlap is not None:
+            print(format_overlap(summary.head_overlap["before"], summary.head_overlap["after"]))
         if summary.degenerate:  # loud, at the end of the run's output
             print(f"\n*** WARNING ({cfg.name}): {summary.degenerate}\n", file=sys.stderr)
         summary = replace(summary, finished=now(), wall_seconds=time.perf_counter() - t0)
@@ -244,6 +256,7 @@ class _Run:
     evaluate: Any
     main_metric: str
     params: dict[str, Any]
+    overlap_before: dict[str, Any] | None = None  # OVERLAP_TUNERS: W_O overlap before training
 
     def aux_loss(self, model: torch.nn.Module) -> torch.Tensor | None:
         """The mechanisms' regularisers plus the tuner's (Diff-Prune's L0), or None."""
@@ -270,6 +283,7 @@ def _prepare(cfg: ExperimentConfig, accelerator) -> _Run:
     model = tuner.apply(model, tcfg, task=TaskInfo.from_tokenizer(tok, task_kind(task)))
     if accelerator.is_main_process:
         write_json(cfg.run_dir / "plan.json", {"plan": plan.to_list() if plan else []})
+    overlap = model_overlap(model) if tcfg.name in OVERLAP_TUNERS else None
     max_len = cfg.model.max_length
     splits = {s: (ex, task.encode(ex, tok, max_len)) for s, ex in eval_ex.items()}
     return _Run(
@@ -279,7 +293,7 @@ def _prepare(cfg: ExperimentConfig, accelerator) -> _Run:
         evaluate=make_evaluator(task, splits, tok, cfg.seed, cfg.eval.batch_size),
         main_metric=(task.main_metric if len(splits) == 1
                      else f"{eval_splits[0]}/{task.main_metric}"),
-        params=count_parameters(model, tuner))
+        params=count_parameters(model, tuner), overlap_before=overlap)
 
 
 def loop_settings(cfg: ExperimentConfig) -> LoopSettings:
@@ -312,7 +326,8 @@ def _fit_stage(cfg: ExperimentConfig, run: _Run, model: torch.nn.Module, acceler
     parts = LoopParts(model=model, optimizer=optimizer, scheduler=scheduler,
                       train_features=run.train_features, collate=run.collate,
                       evaluate=run.evaluate, main_metric=run.main_metric,
-                      greater_is_better=run.task.greater_is_better, aux_loss=aux_loss)
+                      greater_is_better=run.task.greater_is_better, aux_loss=aux_loss,
+                      before_step=run.tuner.before_step)
     return fit(parts, settings, steps, accelerator, run_dir, resume=resume,
                stop_after=stop_after)
 
@@ -365,6 +380,9 @@ def _summary(cfg: ExperimentConfig, run: _Run, state: TrainerState, end: _End,
     seconds = state.train_seconds + (end.masked.train_seconds if end.masked else 0.0)
     final = end.finalized
     finalized = final is not None
+    overlap = None
+    if run.overlap_before is not None:
+        overlap = {"before": run.overlap_before, "after": model_overlap(run.model)}
     return RunSummary(
         name=cfg.name, task=run.task.name, seed=cfg.seed,
         status="interrupted" if end.interrupted else "finished",
@@ -383,7 +401,7 @@ def _summary(cfg: ExperimentConfig, run: _Run, state: TrainerState, end: _End,
         train_seconds=seconds, seconds_per_step=seconds / max(state.step + masked_steps, 1),
         peak_rss_mb=peak_rss_mb(), params=run.params,
         surgery=run.report.to_dict() if run.report is not None else None,
-        interrupted=end.interrupted, num_processes=num_processes,
+        head_overlap=overlap, interrupted=end.interrupted, num_processes=num_processes,
         degenerate=degenerate_warning(run.evaluate.one_class, state.evals, state.best_step,
                                       state.step, float(cfg.optim.lr or 0.0)),
         **provenance(), started=started)

@@ -21,6 +21,7 @@ from ..models import SIZES
 from ..tasks import get_task
 from ..tasks.base import require_package
 from ..tuning import resolve_tuning
+from .head_select import check_run_selectors
 from .rundir import check_writable
 
 
@@ -73,7 +74,8 @@ def preflight(cfg: ExperimentConfig, load_data: bool = False) -> None:
     check_task_ids(Plan.parse(cfg.plan) if cfg.plan else None, cfg.task.task_id)
     resolve_tuning(cfg.tuning.method)
     check_model_name(cfg.model.name)
-    check_model_config(cfg.model.name, cfg.plan or None)  # architecture + plan, no weights
+    plan = check_run_selectors(cfg)  # class:/score selectors: an analysis, known names
+    check_model_config(cfg.model.name, plan or None)  # architecture + plan, no weights
     if cfg.task.data_dir is None:
         require_package("datasets", "hub", f"task.data_dir: null (task {task.name!r} from "
                         "the Hugging Face hub)")

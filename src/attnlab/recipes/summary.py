@@ -48,6 +48,8 @@ class RunSummary:
     peak_rss_mb: float | None = None  # this run's own peak resident memory
     params: dict[str, Any] | None = None  # tuning.accounting.count_parameters
     surgery: dict[str, Any] | None = None  # SurgeryReport.to_dict()
+    # wo_sparse: heads' W_O subspace overlap {"before"|"after": analysis.overlap.model_overlap}
+    head_overlap: dict[str, Any] | None = None
     interrupted: bool = False
     num_processes: int = 1
     degenerate: str | None = None  # the one-class warning, if it fired

@@ -72,6 +72,10 @@ class LoopParts:
     optimizer, scheduler: from ``train.optim.build_optimizer`` over :func:`plan_steps`'s total.
     evaluate(model) -> metrics dict, run on the main process only.
     aux_loss(model) -> extra loss term or None (mechanism regularisers, Diff-Prune's L0).
+    before_step(model, step) -> None, called before each micro-batch with the 0-based index
+    of the optimizer step it belongs to (a tuner's per-step schedule: MAE's gate-only and
+    expert steps switch ``requires_grad``; parameters left without a gradient are skipped
+    by the optimizer). Under multi-process DDP, switching needs ``find_unused_parameters``.
     """
 
     model: torch.nn.Module
@@ -83,6 +87,7 @@ class LoopParts:
     main_metric: str
     greater_is_better: bool
     aux_loss: Callable[[torch.nn.Module], torch.Tensor | None] | None = None
+    before_step: Callable[[torch.nn.Module, int], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -191,6 +196,8 @@ def fit(parts: LoopParts, settings: LoopSettings, plan: StepPlan, accelerator,
             # micro-batches in this accumulation group: fewer in an epoch's last group, so
             # its update is their mean, not a fraction of it
             n_acc = min(accum, len(batches) - bi // accum * accum)
+            if parts.before_step is not None:
+                parts.before_step(accelerator.unwrap_model(model), state.step)
             loss_share, aux_share = _micro_step(parts, model, accelerator, batches[bi], n_acc,
                                                 sync)
             running += loss_share

@@ -1,11 +1,21 @@
 """Parameter-efficient tuners: which weights of a Hugging Face model train.
 
 ``full`` (default), ``pasta``, ``bitfit``, ``adapter``, ``lora`` (via peft), ``prefix``,
-``diff_prune``. Importing this package registers them all; see ``base`` for the protocol
+``diff_prune``, ``wo_sparse`` (W_O L1 / group lasso), ``mae`` (mixture of attentive
+experts). Importing this package registers them all; see ``base`` for the protocol
 and ``accounting`` for parameter counts.
 """
 
-from . import adapters, bitfit, diff_prune, full, pasta, prefix  # noqa: F401  (register tuners)
+from . import (  # noqa: F401  (register tuners)
+    adapters,
+    bitfit,
+    diff_prune,
+    full,
+    mae,
+    pasta,
+    prefix,
+    wo_sparse,
+)
 from . import peft as _peft  # noqa: F401  (peft itself is imported only when used)
 from .accounting import build_published, count_parameters, format_params, params_report
 from .base import (

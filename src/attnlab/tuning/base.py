@@ -7,6 +7,7 @@ frozen config dataclass, used by the runner in this order::
     tuner, cfg = resolve_tuning("lora(r=8, alpha=16)")      # or "pasta", "full", ...
     model = tuner.apply(model, cfg, task=TaskInfo.from_tokenizer(tok, "pair"))
     opt = AdamW(p for _, p in tuner.trainable_parameters(model))
+    tuner.before_step(model, step)                          # before each step's forward
     loss = out.loss + (tuner.aux_loss(model) or 0)          # diff pruning's L0 penalty
     tuner.finalize(model)                                   # diff pruning: prune + fix mask
     save_tuned(model, tuner, "runs/x/tuned.safetensors")    # only the tuned weights
@@ -166,6 +167,12 @@ class Tuner(Protocol):
         """End-of-training step (diff pruning's magnitude pruning); a no-op for most."""
         ...
 
+    def before_step(self, model: nn.Module, step: int) -> None:
+        """Called by the training loop before each micro-batch of optimizer step ``step``
+        (0-based): which parameters train in that step (MAE's block coordinate descent
+        switches between gate-only and expert steps); a no-op for most."""
+        ...
+
 
 @dataclass(frozen=True)
 class FinalizeStage:
@@ -203,6 +210,9 @@ class RequiresGradTuner:
         return None
 
     def finalize(self, model: nn.Module) -> None:
+        return None
+
+    def before_step(self, model: nn.Module, step: int) -> None:
         return None
 
 

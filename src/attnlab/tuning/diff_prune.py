@@ -246,6 +246,9 @@ class DiffPruneTuner:
             return None
         return gates[0].cfg.l0_penalty * torch.stack([g.expected_l0() for g in gates]).sum()
 
+    def before_step(self, model: nn.Module, step: int) -> None:
+        return None  # the same parameters train in every step
+
     def finalize(self, model: nn.Module) -> None:
         """Keep the top ``target_sparsity`` share of |z * w| globally; fix that mask."""
         gates = diff_modules(model)
