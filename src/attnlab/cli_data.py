@@ -3,6 +3,9 @@
 ``attnlab data listops --out data/listops`` regenerates the Long Range Arena ListOps files
 (Tay et al., 2021; ListOps: Nangia & Bowman, 2018) with the official algorithm, seeded:
 ``basic_train.tsv``, ``basic_val.tsv``, ``basic_test.tsv`` (see ``attnlab.tasks.listops``).
+``attnlab data recall`` writes multi-query associative recall (Zoology's MQAR construction,
+``attnlab.tasks.recall``) and ``attnlab data text`` byte-level documents built from GLUE
+SST-2 (``attnlab.tasks.bytetext``), both seeded: same arguments, byte-identical files.
 """
 
 from __future__ import annotations
@@ -13,7 +16,9 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from .tasks import bytetext as bt
 from .tasks import listops as lo
+from .tasks import recall as rc
 
 app = typer.Typer(help="Prepare datasets that cannot be shipped.", no_args_is_help=True,
                   pretty_exceptions_show_locals=False)
@@ -51,3 +56,70 @@ def listops(
                       soft_wrap=True)
     console.print(f"use it with: attnlab run configs/listops.yaml task.data_dir={out}",
                   markup=False, soft_wrap=True)
+
+
+def _written(title: str, paths: dict[str, Path], rows: dict[str, int], task: str,
+             out: Path) -> None:
+    console.print(title, markup=False)
+    for split, path in paths.items():
+        console.print(f"  {split:<5} {rows[split]:>7} rows -> {path}", markup=False,
+                      soft_wrap=True)
+    console.print(f"use it with: attnlab run ... task.name={task} task.data_dir={out}",
+                  markup=False, soft_wrap=True)
+
+
+@app.command("recall")
+def recall(
+    out: Annotated[Path, typer.Option("--out", help="Folder for {train,dev,test}.jsonl.")],
+    seed: Annotated[int, typer.Option(help="Seed: same seed, same files.")] = 0,
+    num_train: Annotated[int, typer.Option(help="Training sequences.")] = rc.NUM_TRAIN,
+    num_dev: Annotated[int, typer.Option(help="Dev sequences.")] = rc.NUM_DEV,
+    num_test: Annotated[int, typer.Option(help="Test sequences.")] = rc.NUM_TEST,
+    length: Annotated[int, typer.Option(
+        help="Sequence length (even; vocab-size must exceed it).")] = rc.INPUT_SEQ_LEN,
+    vocab_size: Annotated[int, typer.Option(
+        help="Symbols: keys 1..V/2-1, values V/2..V-1.")] = rc.VOCAB_SIZE,
+    num_kv_pairs: Annotated[int, typer.Option(help="Key-value pairs (and queries) per "
+                                                  "sequence.")] = rc.NUM_KV_PAIRS,
+    power_a: Annotated[float, typer.Option(
+        help="Power law of the query slots (1: uniform).")] = rc.POWER_A,
+    random_non_queries: Annotated[bool, typer.Option(
+        help="Fill the non-query slots with random symbols.")] = True,
+) -> None:
+    """Generate multi-query associative recall (Zoology's MQAR; defaults: Zoology's)."""
+    try:
+        paths = rc.write_recall(
+            out, num_train=num_train, num_dev=num_dev, num_test=num_test,
+            vocab_size=vocab_size, input_seq_len=length, num_kv_pairs=num_kv_pairs,
+            power_a=power_a, random_non_queries=random_non_queries, seed=seed)
+    except (ValueError, OSError) as e:
+        console.print(f"[bold red]error:[/] {e}")
+        raise typer.Exit(code=2) from None
+    _written(f"MQAR, seed {seed}, length {length}, {num_kv_pairs} pairs, vocabulary "
+             f"{vocab_size}:", paths, {"train": num_train, "dev": num_dev, "test": num_test},
+             "recall", out)
+
+
+@app.command("text")
+def text(
+    out: Annotated[Path, typer.Option("--out", help="Folder for {train,dev}.jsonl.")],
+    data_dir: Annotated[Path, typer.Option(
+        help="Data root holding glue/SST-2 (the source sentences).")] = Path("../shared/data"),
+    seed: Annotated[int, typer.Option(help="Seed: same seed, same files.")] = 0,
+    num_train: Annotated[int, typer.Option(help="Training documents.")] = bt.NUM_TRAIN,
+    num_dev: Annotated[int, typer.Option(help="Dev documents.")] = bt.NUM_DEV,
+    min_bytes: Annotated[int, typer.Option(help="Shortest target length (bytes).")] = (
+        bt.MIN_BYTES),
+    max_bytes: Annotated[int, typer.Option(
+        help="Longest document (bytes); keep it <= the model's max_length - 2.")] = (
+        bt.MAX_BYTES),
+) -> None:
+    """Generate byte-level documents from SST-2, labelled by their one marked sentence."""
+    try:
+        paths = bt.write_text(out, data_dir, num_train=num_train, num_dev=num_dev,
+                              min_bytes=min_bytes, max_bytes=max_bytes, seed=seed)
+    except (ValueError, OSError) as e:
+        console.print(f"[bold red]error:[/] {e}")
+        raise typer.Exit(code=2) from None
+    _written(f"byte-level text from SST-2, seed {seed}, {min_bytes}-{max_bytes} bytes:", paths,
+             {"train": num_train, "dev": num_dev}, "text", out)

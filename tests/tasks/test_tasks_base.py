@@ -15,7 +15,7 @@ HEADS = {"sequence-classification", "token-classification", "question-answering"
 def test_builtin_tasks_are_registered():
     assert set(list_tasks()) == {"cola", "sst2", "mrpc", "stsb", "qqp", "mnli", "qnli", "rte",
                                  "wnli", "conll2003", "squad", "squad_v2", "mlm", "wikitext2",
-                                 "listops"}
+                                 "listops", "recall", "text"}
     with pytest.raises(RegistryError, match="unknown task 'colaa'.*'cola'"):
         get_task("colaa")
 

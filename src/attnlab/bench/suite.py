@@ -44,6 +44,7 @@ BENCH_SPECS = {
     "lsh": "lsh(buckets=32, chunk=64, num_hashes=2)",
     "routing": "routing(num_clusters=16)",
     "performer": "performer(num_features=64)",
+    "mega": "mega(chunk=128)",
 }
 
 

@@ -2,8 +2,9 @@
 
 ``get_task("cola")`` ... ``list_tasks()``; see ``base`` for the protocol a training loop
 uses. Importing this package registers: the nine GLUE tasks (cola, sst2, mrpc, stsb, qqp,
-mnli, qnli, rte, wnli), conll2003, squad, squad_v2, mlm, wikitext2 and listops. transformers is
-imported only inside ``collator`` (and ``datasets`` only for the hub fallback).
+mnli, qnli, rte, wnli), conll2003, squad, squad_v2, mlm, wikitext2, listops, recall (MQAR)
+and text (byte-level, from SST-2). transformers is imported only inside ``collator`` (and
+``datasets`` only for the hub fallback).
 """
 
 from .base import (
@@ -20,10 +21,12 @@ from .base import (
     list_tasks,
     register_task,
 )
+from .bytetext import ByteTextExample, ByteTextTask
 from .conll import ConllTask, NerExample, iob1_to_iob2, read_conll
 from .glue import GLUE_TASKS, GlueExample, GlueTask
 from .listops import ListOpsExample, ListOpsTask
 from .mlm import MlmTask, TextExample, read_texts
+from .recall import RecallExample, RecallTask
 from .squad import SquadExample, SquadTask, postprocess, read_squad, split_articles
 
 __all__ = [
@@ -31,6 +34,8 @@ __all__ = [
     "GLUE_TASKS",
     "MODEL_INPUT_KEYS",
     "TASKS",
+    "ByteTextExample",
+    "ByteTextTask",
     "ConllTask",
     "DataFormatError",
     "Feature",
@@ -42,6 +47,8 @@ __all__ = [
     "MlmTask",
     "NerExample",
     "ProblemType",
+    "RecallExample",
+    "RecallTask",
     "SquadExample",
     "SquadTask",
     "Task",

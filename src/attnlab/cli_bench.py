@@ -1,0 +1,78 @@
+"""``attnlab bench lra`` (wired into ``attnlab bench`` by ``attnlab.cli``).
+
+A Long Range Arena of our own (``attnlab.bench.lra``): one small from-scratch encoder per
+mechanism, trained a fixed number of steps on ListOps, associative recall and byte-level
+text at one length, with accuracy, training steps/s and peak memory against softmax::
+
+    attnlab bench lra --mechanisms softmax,band,linear_elu --task listops --steps 50
+    attnlab bench lra --mechanisms "mega(chunk=128)" --task listops --length 4096 --steps 5
+
+The bench, torch and transformers are imported inside the command, so ``attnlab --help``
+stays fast.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+console = Console()
+
+
+def bench_lra(
+    mechanisms: Annotated[str | None, typer.Option(
+        help="Comma-separated names or specs, e.g. 'softmax,band,mega(chunk=128)' (a bare "
+             "name takes bench speed's long-input setting, else its defaults). Default: every "
+             "registered mechanism surgery accepts at --length. softmax always runs: it is "
+             "the baseline.")] = None,
+    task: Annotated[list[str] | None, typer.Option(
+        "--task", help="listops, recall or text; repeatable or comma-separated.")] = None,
+    seeds: Annotated[int, typer.Option(help="Seeds per (mechanism, task): 0..N-1.")] = 1,
+    length: Annotated[int, typer.Option(help="Sequence length (the encoder's positions).")
+                      ] = 2048,
+    steps: Annotated[int, typer.Option(help="Training steps per cell.")] = 50,
+    batch_size: Annotated[int, typer.Option(help="Examples per step (training and speed).")
+                          ] = 4,
+    eval_size: Annotated[int, typer.Option(help="Evaluation examples per task.")] = 128,
+    lr: Annotated[float, typer.Option(help="AdamW peak learning rate.")] = 1e-3,
+    repeats: Annotated[int, typer.Option(help="Timed steps per speed measurement.")] = 3,
+    device: Annotated[str | None, typer.Option(
+        help="cpu or cuda (default: cuda when torch sees a GPU).")] = None,
+    threads: Annotated[int | None, typer.Option(
+        help="torch threads of the speed measurement (default: torch's).")] = None,
+    data_dir: Annotated[Path, typer.Option(
+        help="Data root holding glue/SST-2 (task text).")] = Path("../shared/data"),
+    out: Annotated[Path, typer.Option(
+        help="Output folder (rows.jsonl makes it resumable).")] = Path("runs/bench-lra"),
+) -> None:
+    """A Long Range Arena of our own: accuracy, speed and memory vs softmax (resumable)."""
+    from . import cli as root  # the --debug flag and the one-line error printer live there
+    from .core.spec import split_top
+
+    names = [m.strip() for m in split_top(mechanisms, ",") if m.strip()] if mechanisms else None
+    tasks = [t.strip() for item in (task or ["listops"]) for t in item.split(",") if t.strip()]
+    errors: tuple[type[BaseException], ...] = (*root._user_error_types(), ValueError)
+    try:
+        import torch
+
+        from .bench.lra import LraSettings, format_table, run_lra
+
+        settings = LraSettings(
+            length=length, steps=steps, batch_size=batch_size, eval_size=eval_size, lr=lr,
+            repeats=repeats, device=device or ("cuda" if torch.cuda.is_available() else "cpu"),
+            threads=threads, data_dir=str(data_dir))
+        if settings.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda: this torch sees no CUDA GPU; use --device cpu")
+        results = run_lra(out, names, tasks, list(range(seeds)), settings,
+                          notify=lambda line: console.print(line, markup=False))
+    except errors as e:
+        if root._DEBUG["on"]:
+            raise
+        root._fail(str(e))
+        return
+    console.print(format_table(results), markup=False, soft_wrap=True)
+    console.print(f"saved {out}/lra.md, {out}/lra.json, {out}/lra.png ({out}/rows.jsonl: "
+                  "finished cells, reused on the next run)", markup=False, soft_wrap=True)

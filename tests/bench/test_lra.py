@@ -1,0 +1,139 @@
+"""``attnlab bench lra`` (bench/lra.py): real tiny training of two mechanisms on one task with
+a stand-in speed measurement (no subprocess), every output written, resume without re-running
+finished cells, softmax's ratios to itself, the measurement itself in-process, and one-line
+CLI errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from attnlab.bench import lra
+from attnlab.bench.lra_cell import measure_step
+from attnlab.bench.lra_data import bench_data, listops_bounds, recall_vocab
+from attnlab.cli import app
+
+TINY = lra.LraSettings(length=32, steps=2, batch_size=2, eval_size=4)
+
+
+def fake_measure(calls):
+    def measure(spec, length, batch_size, **kw):
+        calls.append(spec)
+        fast = spec.startswith("band")
+        return {"step_ms": 50.0 if fast else 100.0, "steps_per_s": 20.0 if fast else 10.0,
+                "peak_mem_mb": 30.0 if fast else 120.0, "kernels": ["aten::sdpa"]}
+    return measure
+
+
+@pytest.fixture
+def trained(monkeypatch):
+    """Counts the train cells that run (the real training runs underneath)."""
+    calls = []
+    real = lra.train_and_evaluate
+
+    def counting(model, data, **kw):
+        calls.append(data.task.name)
+        return real(model, data, **kw)
+
+    monkeypatch.setattr(lra, "train_and_evaluate", counting)
+    return calls
+
+
+def test_two_mechanisms_write_every_output_and_resume(tmp_path, trained):
+    measured: list[str] = []
+    res = lra.run_lra(tmp_path, ["band(window=4)"], ["recall"], [0], TINY, progress=False,
+                      measure=fake_measure(measured))
+    assert measured == ["softmax", "band(window=4)"] and trained == ["recall", "recall"]
+    for name in ("rows.jsonl", "lra.json", "lra.md", "lra.png"):
+        assert (tmp_path / name).stat().st_size > 0
+    base, band = res["table"]
+    assert base["label"] == "softmax" and base["speed_ratio"] == 1.0
+    assert base["memory_ratio"] == 1.0
+    assert band["speed_ratio"] == 2.0 and band["memory_ratio"] == 0.25
+    acc = band["accuracy"]["recall"]
+    assert acc["n"] == 1 and 0.0 <= acc["mean"] <= 1.0 and band["average"] == acc["mean"]
+    table = (tmp_path / "lra.md").read_text()
+    assert "| `softmax` |" in table and "| 1.00x |" in table and "| 0.25x |" in table
+    assert json.loads((tmp_path / "lra.json").read_text())["table"][1]["label"] == (
+        "band(window=4)")
+
+    # finished cells are never run again
+    measured.clear()
+    again = lra.run_lra(tmp_path, ["band(window=4)"], ["recall"], [0], TINY, progress=False,
+                        measure=fake_measure(measured))
+    assert measured == [] and trained == ["recall", "recall"]
+    assert again["table"] == res["table"]
+
+    # a cut last line (interrupted run) and a new seed: only those cells run
+    lines = (tmp_path / "rows.jsonl").read_text().splitlines()
+    (tmp_path / "rows.jsonl").write_text("\n".join(lines[:-1]) + '\n{"kind": "tr')
+    lra.run_lra(tmp_path, ["band(window=4)"], ["recall"], [0, 1], TINY, progress=False,
+                measure=fake_measure(measured))
+    assert measured == [] and trained == ["recall"] * 5  # band seed 0, then seed 1 of both
+    assert len(lra.read_rows(tmp_path / "rows.jsonl")) == 6
+
+
+def test_other_settings_do_not_reuse_cells(tmp_path, trained):
+    measured: list[str] = []
+    lra.run_lra(tmp_path, ["softmax"], ["recall"], [0], TINY, progress=False,
+                measure=fake_measure(measured))
+    other = lra.LraSettings(length=32, steps=3, batch_size=2, eval_size=4)
+    lra.run_lra(tmp_path, ["softmax"], ["recall"], [0], other, progress=False,
+                measure=fake_measure(measured))
+    assert measured == ["softmax"] and trained == ["recall", "recall"]  # speed cell reused
+
+
+def test_a_failing_speed_cell_is_reported_not_fatal(tmp_path, trained):
+    def measure(spec, length, batch_size, **kw):
+        if spec != "softmax":
+            raise RuntimeError("benchmark subprocess failed:\nRuntimeError: out of memory")
+        return fake_measure([])(spec, length, batch_size)
+
+    res = lra.run_lra(tmp_path, ["band(window=4)"], ["recall"], [0], TINY, progress=False,
+                      measure=measure)
+    assert res["table"][1]["speed_error"] == "RuntimeError: out of memory"
+    assert "out of memory" in (tmp_path / "lra.md").read_text()
+
+
+def test_mechanism_names_take_the_long_input_setting():
+    assert lra.requested("band") == "band(window=128)"  # bench speed's setting
+    assert lra.requested("band(window=8)") == "band(window=8)"
+    assert lra.canonical("band") == lra.canonical("band(window=128)")
+    labels, skipped = lra.resolve_mechanisms(["linear_elu", "softmax", "band"], 256)
+    assert list(labels.values()) == ["softmax", "linear_elu", "band(window=128)"]
+    assert skipped == []
+    with pytest.raises(ValueError, match="cannot run in the bench encoder"):
+        lra.resolve_mechanisms(["pattern_loss"], 64)  # 4 patterns for the encoder's 2 heads
+
+
+def test_the_data_fits_the_length():
+    assert listops_bounds(2048) == (500, 2000) and listops_bounds(64) == (15, 63)
+    assert recall_vocab(4096) == 8192 and recall_vocab(8192) == 16384
+    d = bench_data("listops", 48, 6, 3, "unused")
+    assert len(d.train) == 6 and len(d.eval) == 3
+    assert max(len(f["input_ids"]) for f in d.train + d.eval) <= 48
+    assert len(d.tokenizer) == 5 + 15
+
+
+def test_measure_step_in_process():
+    """What the subprocesses run: a full training step at the length, timed and measured."""
+    t = measure_step("softmax", 32, 2, part="time", repeats=1)
+    assert t["step_ms"] > 0 and t["steps_per_s"] == pytest.approx(1000 / t["step_ms"])
+    assert any("scaled_dot_product" in k for k in t["kernels"])  # SDPA, as the table says
+    m = measure_step("linear_elu", 32, 2, part="memory")
+    assert set(m) == {"peak_mem_mb"} and m["peak_mem_mb"] >= 0
+
+
+@pytest.mark.parametrize("args, expect", [
+    (["--mechanisms", "bandd", "--task", "listops"], "band"),
+    (["--mechanisms", "softmax", "--task", "pathfinder"], "unknown bench task 'pathfinder'"),
+    (["--mechanisms", "softmax", "--steps", "0"], "--steps 0: give 1 or more"),
+])
+def test_cli_bad_input_is_one_line(tmp_path, args, expect):
+    res = CliRunner().invoke(app, ["bench", "lra", *args, "--out", str(tmp_path / "out")])
+    assert res.exit_code == 2, res.output
+    lines = [ln for ln in res.output.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and expect in lines[0], res.output
+    assert not (tmp_path / "out").exists()
