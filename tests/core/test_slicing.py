@@ -28,7 +28,8 @@ def test_head_slices_cover_every_head_once_within_the_budget():
         "improved_clustered(clusters=4, bits=8, iterations=4, topk=3)",
         "poolingformer(window=2, window2=8, pool_size=3)",
         "poolingformer(window=2, window2=8, pool_size=3, pool='conv')",
-        "poolingformer(window=2, window2=8, pool_size=2, pool='max', stacked=False)")])
+        "poolingformer(window=2, window2=8, pool_size=2, pool='max', stacked=False)")] + [
+    ("bp_tree(window=1, k=1)", False), ("bp_tree(window=2, k=1)", True)])
 def test_sliced_heads_equal_one_group(monkeypatch, spec, causal):
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 4, 24, 8, generator=g, requires_grad=True) for _ in range(3))
@@ -36,9 +37,11 @@ def test_sliced_heads_equal_one_group(monkeypatch, spec, causal):
     mask[1, 17:] = False
     mech = attnlab.build_mechanism(spec, attnlab.HeadDims(4, 8, 32)).eval()
 
+    weights = not spec.startswith("bp_tree")  # its weights come from the dense reference
+
     def run(budget):
         monkeypatch.setattr(slicing, "SLICE_BYTES", budget)
-        ctx = attnlab.AttnContext(key_mask=mask, causal=causal, need_weights=True)
+        ctx = attnlab.AttnContext(key_mask=mask, causal=causal, need_weights=weights)
         res = mech(q, k, v, ctx)
         grads = torch.autograd.grad((res.out * torch.arange(8.0)).sum(), (q, k, v),
                                     allow_unused=True)  # lsh: shared QK, k unused

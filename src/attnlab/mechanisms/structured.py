@@ -38,6 +38,7 @@ from ..core import (
     register_mechanism,
 )
 from ..core.masks import positions
+from ..core.slicing import over_head_groups
 from ._gathered import gathered_attention
 
 # family "sparse": the survey files both under extended sparse attention (§3.1.1); this file
@@ -423,15 +424,22 @@ class BPTree(nn.Module):
             ctx.key_mask.to(device=q.device, dtype=torch.bool))
         tok, span, _ = (t.to(q.device) for t in bp_tree_index(n, c.window, c.k, ctx.causal))
         levels = bp_tree_levels(n)
-        km, valid = bp_tree_nodes(k, keep, levels)  # [b,h,N,d], [b,N]
-        vm, _ = bp_tree_nodes(v, keep, levels)
-        keys = torch.cat([k, km], 2)  # [b,h,n+N,d]
-        vals = torch.cat([v, vm], 2)
-        ok = torch.cat([keep, valid], 1)  # [b,n+N]
         idx = torch.cat([tok, span.masked_fill(span < 0, -1 - n) + n], 1)  # [n,T+S] into n+N
         has = idx >= 0
         idx = idx.clamp(min=0)
-        allowed = (has[None] & ok[:, idx])[:, None]  # [b,1,n,T+S]
-        # chunked gathers, recomputed in the backward: O(n*(T+S)) memory, not O(n*(T+S)*d)
-        return AttnOutput(gathered_attention(q, keys, vals, idx, allowed, scale=scale,
-                                             dropout=p))  # [b,h,n,dv]
+
+        def heads(q, k, v) -> AttnOutput:  # a group of g heads
+            km, valid = bp_tree_nodes(k, keep, levels)  # [b,g,N,d], [b,N]
+            vm, _ = bp_tree_nodes(v, keep, levels)
+            keys = torch.cat([k, km], 2)  # [b,g,n+N,d]
+            vals = torch.cat([v, vm], 2)
+            ok = torch.cat([keep, valid], 1)  # [b,n+N]
+            allowed = (has[None] & ok[:, idx])[:, None]  # [b,1,n,T+S]
+            # chunked gathers, recomputed in the backward: O(n*(T+S)) memory, not
+            # O(n*(T+S)*d)
+            return AttnOutput(gathered_attention(q, keys, vals, idx, allowed, scale=scale,
+                                                 dropout=p))  # [b,g,n,dv]
+
+        # a few heads at a time: each group's token+span keys [b,g,n+N,d] stay small enough
+        # to be re-read from cache by the gathers (core/slicing.py)
+        return over_head_groups(heads, (q, k, v), b * 2 * n * q.shape[-1] * q.element_size())
