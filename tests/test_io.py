@@ -59,3 +59,15 @@ def test_saved_plan_files_have_usual_mode(tiny_bert, tmp_path, umask_022):
     for name in ("plan.json", "surgery.json"):
         assert _mode(tmp_path / name) == 0o644, name
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_jsonl_reads_past_a_cut_line_and_appends_after_it(tmp_path):
+    from attnlab.io import append_jsonl, read_jsonl
+
+    log = tmp_path / "rows.jsonl"
+    assert read_jsonl(log) == []
+    append_jsonl(log, {"a": 1})
+    log.write_text(log.read_text() + '{"b": 2, "cut')  # an append killed mid-line
+    append_jsonl(log, {"c": 3})
+    assert read_jsonl(log) == [{"a": 1}, {"c": 3}]
+    assert log.read_text().splitlines() == ['{"a": 1}', '{"b": 2, "cut', '{"c": 3}']

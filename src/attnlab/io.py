@@ -60,3 +60,38 @@ def write_json(path: str | os.PathLike, data: Any, indent: int | None = 2,
                default: Callable[[Any], Any] | None = float) -> Path:
     """JSON to ``path`` atomically (numbers that JSON lacks, e.g. numpy floats, as float)."""
     return atomic_write(path, json.dumps(data, indent=indent, default=default))
+
+
+# JSON Lines logs (metrics.jsonl, benchmark rows) grow by appends, so a kill can cut their
+# last line; these two are the one place that reads past such a line and writes after it.
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The JSON objects of a JSON Lines file, one per line; blank lines, lines that are not
+    objects and a line cut by an interrupted append are skipped; a missing file gives []."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rec = json.loads(line) if line.strip() else None
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict):
+            out.append(rec)
+    return out
+
+
+def append_jsonl(path: str | os.PathLike, record: Any, default: Callable | None = None) -> None:
+    """Append ``record`` as one line; after a cut last line it starts on a line of its own
+    (so the cut line stays the only casualty)."""
+    path = Path(path)
+    text = json.dumps(record, default=default) + "\n"
+    with path.open("a+b") as f:
+        f.seek(0, os.SEEK_END)
+        if f.tell():
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                text = "\n" + text
+        f.write(text.encode("utf-8"))

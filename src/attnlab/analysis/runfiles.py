@@ -13,11 +13,11 @@ import json
 import math
 import os
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from torch import Tensor
 
+from ..io import read_jsonl
 from .heads import class_counts
 
 SOFTMAX = "softmax"  # the mechanism of a head no plan rule touched (hf.plan.SOFTMAX)
@@ -27,18 +27,7 @@ def read_history(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """The records of a run's ``metrics.jsonl`` (``{"step", "epoch", "loss", "lr"}`` and
     ``{"step", "epoch", "eval": {...}}``); blank or torn lines (a run killed mid-write) are
     skipped; a missing file gives ``[]``."""
-    path = Path(path)
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(rec, dict):
-            out.append(rec)
-    return out
+    return read_jsonl(path)
 
 
 def plan_rules(plan: Any) -> list[Any] | None:

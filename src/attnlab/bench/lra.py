@@ -31,7 +31,6 @@ retry it). At the end: ``lra.json`` (settings, environment, the summary and ever
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -39,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core import list_mechanisms, resolve_config
-from ..io import atomic_path, atomic_write, write_json
+from ..io import append_jsonl, atomic_path, atomic_write, read_jsonl, write_json
 from .lra_cell import ENCODER, build_model, measure_isolated_step, train_and_evaluate
 from .lra_data import DATA_SEED, TASK_TITLES, BenchData, bench_data, check_task
 from .speed import environment
@@ -150,17 +149,7 @@ def _identity(job: tuple, s: LraSettings) -> dict[str, Any]:
 
 def read_rows(path: Path) -> list[dict[str, Any]]:
     """The rows of ``rows.jsonl`` (a line cut by an interruption is skipped: run again)."""
-    if not path.is_file():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line) if line.strip() else None
-        except json.JSONDecodeError:
-            continue
-        if isinstance(row, dict) and row.get("kind") in ("speed", "train"):
-            rows.append(row)
-    return rows
+    return [r for r in read_jsonl(path) if r.get("kind") in ("speed", "train")]
 
 
 def _error(e: BaseException) -> str:
@@ -195,9 +184,6 @@ def run_lra(
     out.mkdir(parents=True, exist_ok=True)
     log = out / "rows.jsonl"
     done = {_row_key(r): r for r in read_rows(log)}
-    if log.is_file() and log.stat().st_size and not log.read_bytes().endswith(b"\n"):
-        with log.open("a") as f:  # a line cut by an interruption: new rows start on their own
-            f.write("\n")
     jobs: list[tuple] = []
     for spec in labels:
         jobs.append(("speed", spec, None, None))
@@ -233,8 +219,7 @@ def run_lra(
         for job in todo:
             start(job)
             row = run_cell(job, step)
-            with log.open("a") as f:
-                f.write(json.dumps(row) + "\n")
+            append_jsonl(log, row)
             done[key[job]] = row
             cell_done(_describe(job, labels))
 

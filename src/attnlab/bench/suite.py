@@ -17,7 +17,6 @@ least-squares slopes of log time against log n over the lengths >= ``fit_from``.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -26,7 +25,7 @@ from typing import Any
 from rich.progress import Progress
 
 from ..core import list_mechanisms, mechanism_class
-from ..io import atomic_write, write_json
+from ..io import append_jsonl, atomic_write, read_jsonl, write_json
 from .peers import is_peer
 from .speed import SDPA, environment, measure_isolated
 
@@ -64,19 +63,6 @@ def is_quadratic(name: str) -> bool:
 def _key(row: dict[str, Any]) -> tuple:
     return (row["method"], row["n"], row["repeats"], row["threads"], row["heads"],
             row["head_dim"], row["batch"])
-
-
-def _read_rows(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a line cut by an interruption: measured again
-    return rows
 
 
 def fit_exponent(points: Sequence[tuple[int, float]]) -> float | None:
@@ -119,7 +105,7 @@ def run_suite(
     jobs = [(method, n) for n in ns for method in dict.fromkeys([SDPA, *specs])
             if not (is_quadratic(method) and n > dense_max_n)]
     log = out / "rows.jsonl"
-    done = {_key(r): r for r in _read_rows(log)}
+    done = {_key(r): r for r in read_jsonl(log)}
     todo = [(m, n) for m, n in jobs if _key({"method": m, "n": n, **common}) not in done]
 
     def run_all(step: Callable[[str], None]) -> None:
@@ -129,8 +115,7 @@ def run_suite(
                 row = {"method": method, "n": n, **common, **res}
             except RuntimeError as e:  # one failing mechanism does not stop the table
                 row = {"method": method, "n": n, **common, "error": str(e).splitlines()[-1]}
-            with log.open("a") as f:
-                f.write(json.dumps(row) + "\n")
+            append_jsonl(log, row)
             done[_key(row)] = row
             step(f"{method} n={n}")
 

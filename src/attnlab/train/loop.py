@@ -33,7 +33,7 @@ from safetensors.torch import load_model, save_model
 from tqdm.auto import tqdm
 from transformers.trainer_pt_utils import get_length_grouped_indices
 
-from ..io import atomic_path
+from ..io import append_jsonl, atomic_path, atomic_write, read_jsonl
 from .checkpoint import TrainerState, list_checkpoints, load_checkpoint, save_checkpoint
 
 
@@ -153,20 +153,13 @@ class MetricsLog:
         """On resume, drop lines logged after the checkpoint (they will be replayed)."""
         if not (self.enabled and self.path.exists()):
             return
-        keep = []
-        for ln in self.path.read_text().splitlines():
-            try:
-                rec = json.loads(ln) if ln.strip() else None
-            except json.JSONDecodeError:  # a line cut by the kill: dropped, it is replayed
-                continue
-            if rec is not None and rec.get("step", 0) <= step:
-                keep.append(ln)
-        self.path.write_text("".join(k + "\n" for k in keep))
+        # a line cut by the kill is dropped too: it is replayed
+        keep = [r for r in read_jsonl(self.path) if r.get("step", 0) <= step]
+        atomic_write(self.path, "".join(json.dumps(r) + "\n" for r in keep))
 
     def write(self, record: dict[str, Any]) -> None:
         if self.enabled:
-            with self.path.open("a") as fh:
-                fh.write(json.dumps(record, default=float) + "\n")
+            append_jsonl(self.path, record, default=float)
 
 
 def fit(parts: LoopParts, settings: LoopSettings, plan: StepPlan, accelerator,
