@@ -174,7 +174,12 @@ def saved(tmp_path_factory):
     """Tiny BERT classifiers saved with attnlab.save_pretrained and the embedded tokenizer:
     one with a plan (band in layer 0, heads 0-1), and a base model without a task head."""
     import transformers
-    from conftest import tiny_bert_config
+
+    def tiny_bert_config(**overrides):  # the shape of tests/conftest.py's tiny BERT
+        return transformers.BertConfig(**{
+            "hidden_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4,
+            "intermediate_size": 64, "max_position_embeddings": 64, "hidden_dropout_prob": 0.0,
+            "attention_probs_dropout_prob": 0.0, **overrides})
 
     from attnlab import save_pretrained
     from attnlab.hf import apply_plan
