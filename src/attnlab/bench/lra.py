@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core import list_mechanisms, resolve_config
-from ..io import append_jsonl, atomic_path, atomic_write, read_jsonl, write_json
+from ..io import append_jsonl, atomic_write, read_jsonl, write_json
 from .lra_cell import ENCODER, build_model, measure_isolated_step, train_and_evaluate
 from .lra_data import DATA_SEED, TASK_TITLES, BenchData, bench_data, check_task
 from .speed import environment
@@ -386,7 +386,7 @@ def scatter_plot(results: dict[str, Any], path: str | Path) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .plots import env_title
+    from .plots import env_title, write_png
 
     s = results["settings"]
     biggest = max(e["peak_mem_mb"] for e in pts) or 1.0
@@ -408,10 +408,4 @@ def scatter_plot(results: dict[str, Any], path: str | Path) -> Path | None:
     ax.margins(0.2)
     fig.suptitle(env_title(results["environment"]), fontsize=9)
     fig.tight_layout()
-    path = Path(path)
-    try:
-        with atomic_path(path) as tmp:  # the temporary name keeps the suffix savefig reads
-            fig.savefig(tmp, dpi=120)
-    finally:
-        plt.close(fig)
-    return path
+    return write_png(fig, path)

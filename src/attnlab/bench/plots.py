@@ -54,11 +54,18 @@ def scaling_plot(rows: list[dict[str, Any]], path: str | Path, title: str = "",
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
+    return write_png(fig, path)
+
+
+def write_png(fig: Any, path: str | Path) -> Path:
+    """Save ``fig`` atomically at 120 dpi (the format from ``path``'s suffix) and close it."""
     path = Path(path)
     try:
         with atomic_path(path) as tmp:  # the temporary name keeps the suffix savefig reads
             fig.savefig(tmp, dpi=120)
     finally:
+        import matplotlib.pyplot as plt  # imported on use, as above: CLI start-up
+
         plt.close(fig)
     return path
 

@@ -63,7 +63,7 @@ from .base import (
     read_lines,
     register_task,
 )
-from .metrics import accuracy
+from .metrics import argmax_accuracy
 from .symbols import BYTE_NAMES, symbol_ids
 
 MARK_OPEN, MARK_CLOSE, SEPARATOR = "\x02", "\x03", " "
@@ -281,10 +281,7 @@ class ByteTextTask:
 
     def compute_metrics(self, predictions: Sequence[Any], features: Sequence[Feature],
                         examples: Sequence[Any] = ()) -> dict[str, float]:
-        if len(predictions) != len(features):
-            raise ValueError(f"{len(predictions)} predictions for {len(features)} features")
-        preds = [int(np.asarray(p).reshape(-1).argmax()) for p in predictions]
-        return {"accuracy": accuracy(preds, [f["labels"] for f in features])}
+        return argmax_accuracy(predictions, features)
 
 
 TEXT = register_task(ByteTextTask())

@@ -65,7 +65,7 @@ from .base import (
     read_lines,
     register_task,
 )
-from .metrics import accuracy
+from .metrics import argmax_accuracy
 
 MIN, MAX, MED, SUM_MOD, END = "[MIN", "[MAX", "[MED", "[SM", "]"
 OPERATORS = (MIN, MAX, MED, SUM_MOD)  # the official order (rng.choice picks from it)
@@ -388,10 +388,7 @@ class ListOpsTask:
 
     def compute_metrics(self, predictions: Sequence[Any], features: Sequence[Feature],
                         examples: Sequence[Any] = ()) -> dict[str, float]:
-        if len(predictions) != len(features):
-            raise ValueError(f"{len(predictions)} predictions for {len(features)} features")
-        preds = [int(np.asarray(p).reshape(-1).argmax()) for p in predictions]
-        return {"accuracy": accuracy(preds, [f["labels"] for f in features])}
+        return argmax_accuracy(predictions, features)
 
 
 LISTOPS = register_task(ListOpsTask())

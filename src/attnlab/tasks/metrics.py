@@ -13,7 +13,7 @@ import math
 import re
 import string
 from collections.abc import Mapping, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -224,3 +224,12 @@ def perplexity(nll_sum: float, count: int) -> dict[str, float]:
         raise ValueError("no masked tokens were scored; the evaluation set is empty")
     loss = nll_sum / count
     return {"loss": loss, "perplexity": math.exp(min(loss, 700.0))}
+
+
+def argmax_accuracy(predictions: Sequence[Any], features: Sequence[Mapping[str, Any]]
+                    ) -> dict[str, float]:
+    """``{"accuracy": ...}`` of one logits row per feature against its ``labels``."""
+    if len(predictions) != len(features):
+        raise ValueError(f"{len(predictions)} predictions for {len(features)} features")
+    preds = [int(np.asarray(p).reshape(-1).argmax()) for p in predictions]
+    return {"accuracy": accuracy(preds, [f["labels"] for f in features])}
