@@ -38,6 +38,23 @@ def test_exponents_ratios_and_quadratic_cutoff(tmp_path):
     assert json.loads((tmp_path / "results.json").read_text())["exponents"]
 
 
+def test_targets_band_memory_and_global_token_cost(tmp_path):
+    def measure(method, n, **kw):
+        t = {"sdpa": 10.0, "band(window=128)": 2.0}.get(method, 2.1)  # longformer: 1.05x
+        return {"fwd_ms": t, "fwdbwd_ms": t, "peak_fwd_mb": 1.0,
+                "peak_mem_mb": 4.0 if method == "sdpa" else 1.0}  # 0.25x SDPA
+
+    res = run_suite(tmp_path, ["band", "longformer(window=128, global_tokens=(0, 1))",
+                               "longformer(window=64)"], (4096, 16384), progress=False,
+                    measure=measure)
+    got = {(t["what"].split(" ")[0], t["n"]): t for t in res["targets"]}
+    assert got[("band(window=128)", 4096)]["met"] and got[("band(window=128)", 16384)]["met"]
+    cost = got[("longformer(window=128,", 4096)]  # against band(window=128) at 4096 only
+    assert cost["value"] == pytest.approx(1.05) and cost["target"] == pytest.approx(1.04)
+    assert not cost["met"] and len(res["targets"]) == 3
+    assert "NOT met" in (tmp_path / "table.md").read_text()
+
+
 def test_resume_measures_only_what_is_missing(tmp_path):
     first = []
     run_suite(tmp_path, ["band"], (512, 1024), progress=False, measure=fake(first))

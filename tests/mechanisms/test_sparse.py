@@ -236,6 +236,25 @@ def test_blocked_chunking_is_invisible(chunk, padded, monkeypatch):
         torch.testing.assert_close(a, r, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_global_row_with_a_padded_window_still_attends_the_real_keys(causal):
+    """Query 150 is global; in a sequence of 100 real tokens its window and its own key
+    are padding, yet as a global row it attends keys 0-99 (the reference's semantics)."""
+    mech = build("longformer(window=2, global_tokens=[150])")
+    q, k, v = _qkv(N_FAST, b=2, seed=3)
+    key_mask = torch.arange(N_FAST)[None, :] < torch.tensor([N_FAST, 100])[:, None]
+    c = attnlab.AttnContext(key_mask=key_mask, causal=causal)
+    out = mech(q, k, v, c).out
+    ref, _ = attnlab.reference_attention(q, k, v, bias=mech.bias(N_FAST, N_FAST),
+                                         key_mask=key_mask, causal=causal)
+    assert ref[1, :, 150].abs().sum() > 0
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    g = torch.randn_like(out)
+    for a, r in zip(torch.autograd.grad(out, (q, k, v), g),
+                    torch.autograd.grad(ref, (q, k, v), g), strict=True):
+        torch.testing.assert_close(a, r, atol=1e-5, rtol=1e-5)
+
+
 def test_need_weights_gives_reference_probs_at_long_lengths():
     mech = build("band(window=4)")
     q, k, v = (t.detach() for t in _qkv(N_FAST, b=1))
@@ -286,7 +305,7 @@ def test_blocked_bf16_runs():
 # ------------------------------------------------ the hand-written backward (float64)
 
 
-def _engine(p: float, causal: bool, extra: bool):
+def _engine(p: float, causal: bool, extra: bool, rows: bool = False):
     n, block, w = 21, 4, 3
     ex = torch.tensor([[0, 17, -1]]).expand(-(-n // block), -1) if extra else None
     key_mask = torch.arange(n)[None, :] < torch.tensor([n, 12])[:, None]
@@ -298,17 +317,22 @@ def _engine(p: float, causal: bool, extra: bool):
                                      key_mask, causal, torch.float64, torch.device("cpu"))
     lay = bs._Layout(n, block, w, bs.window_width(block, w, w), 2 * 2)
     xi = None if ex is None else ex.clamp(0, n - 1)
+    # dense rows: query 0 and 17 attend every key (17's window is padding in sequence 2)
+    r = torch.tensor([0, 17]) if rows else None
+    rb = bs.row_bias(r, n, key_mask, causal, torch.float64) if rows else None
 
     def fn(q, k, v):
-        return bs._BlockedAttention.apply(q, k, v, bias, live, xi, lay, 0.4, p, 1234)
+        return bs._BlockedAttention.apply(q, k, v, bias, live, xi, lay, 0.4, p, 1234, r, rb)
 
     return fn, n
 
 
-@pytest.mark.parametrize("p,causal,extra", [(0.0, False, True), (0.0, True, False),
-                                            (0.3, False, False), (0.3, True, True)])
-def test_blocked_backward_gradcheck(p, causal, extra):
-    fn, n = _engine(p, causal, extra)
+@pytest.mark.parametrize("p,causal,extra,rows", [
+    (0.0, False, True, False), (0.0, True, False, False), (0.3, False, False, False),
+    (0.3, True, True, False), (0.0, False, True, True), (0.0, True, False, True),
+    (0.3, True, True, True)])
+def test_blocked_backward_gradcheck(p, causal, extra, rows):
+    fn, n = _engine(p, causal, extra, rows)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(4, n, 3, generator=g, dtype=torch.float64).requires_grad_()
                for _ in range(3))

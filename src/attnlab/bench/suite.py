@@ -127,6 +127,7 @@ def run_suite(
         run_all(lambda desc: None)
     rows = [done[_key({"method": m, "n": n, **common})] for m, n in jobs]
     results = summarise(rows, fit_from)
+    results["targets"] = check_targets(results["rows"])
     results["environment"] = environment(threads)
     results["command_settings"] = {**common, "dense_max_n": dense_max_n, "fit_from": fit_from,
                                    "ns": list(ns)}
@@ -164,6 +165,52 @@ def summarise(rows: list[dict[str, Any]], fit_from: int) -> dict[str, Any]:
     return {"rows": out_rows, "exponents": exponents}
 
 
+# Targets of record (docs/benchmarks.md): band(window=128)'s forward+backward peak memory
+# against SDPA at these n, and the time a global token may add to a sliding window.
+BAND_MEMORY_TARGETS = {4096: 0.5, 16384: 0.25}
+GLOBAL_TOKEN_COST = 0.02  # longformer with g global tokens <= (1 + 0.02 g) x the window alone
+GLOBAL_TOKEN_N = 4096
+
+
+def check_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The targets the measured rows can speak to: band(window=128) memory vs SDPA at
+    ``BAND_MEMORY_TARGETS``' lengths, and each ``longformer`` with global tokens against the
+    same window without them (``band`` or ``longformer`` with no global tokens) at
+    ``GLOBAL_TOKEN_N``, forward+backward. Each entry: what, n, value, target, met."""
+    from ..core import resolve_config
+
+    def config(method: str):
+        if method == SDPA or is_peer(method):
+            return None
+        try:
+            return resolve_config(method)
+        except (ValueError, KeyError):
+            return None
+
+    ok = [(r, config(r["method"])) for r in rows if "error" not in r]
+    out: list[dict[str, Any]] = []
+    for r, cfg in ok:
+        if cfg is not None and cfg.name == "band" and cfg.window == 128 \
+                and r["n"] in BAND_MEMORY_TARGETS and "mem_ratio" in r:
+            out.append({"what": f"{r['method']} peak memory / SDPA", "n": r["n"],
+                        "value": r["mem_ratio"], "target": BAND_MEMORY_TARGETS[r["n"]]})
+    for r, cfg in ok:
+        if cfg is None or cfg.name != "longformer" or not cfg.global_tokens \
+                or r["n"] != GLOBAL_TOKEN_N:
+            continue
+        base = next((b for b, bc in ok if b["n"] == r["n"] and bc is not None
+                     and bc.window == cfg.window and (bc.name == "band" or (
+                         bc.name == "longformer" and not bc.global_tokens))), None)
+        if base is not None:
+            g = len(cfg.global_tokens)
+            out.append({"what": f"{r['method']} time / {base['method']} (fwd+bwd)",
+                        "n": r["n"], "value": r["fwdbwd_ms"] / base["fwdbwd_ms"],
+                        "target": 1 + GLOBAL_TOKEN_COST * g})
+    for t in out:
+        t["met"] = t["value"] <= t["target"]
+    return out
+
+
 def format_table(results: dict[str, Any]) -> str:
     """Markdown: forward+backward ms per n with the ratio to SDPA, peak MB at the largest
     n each method ran, and the fitted exponent."""
@@ -195,4 +242,8 @@ def format_table(results: dict[str, Any]) -> str:
     errors = [f"- `{r['method']}` at n = {r['n']}: {r['error']}\n" for r in rows if "error" in r]
     note = ("\nForward+backward ms (speed-up vs SDPA at the same n); exponent: least-squares "
             "slope of log time on log n; '-': not run (quadratic beyond dense_max_n).\n")
-    return head + "".join(lines) + note + ("".join(errors) if errors else "")
+    targets = [f"- {t['what']} at n = {t['n']}: {t['value']:.2f} (target <= "
+               f"{t['target']:.2f}: {'met' if t['met'] else 'NOT met'})\n"
+               for t in results.get("targets", [])]
+    return (head + "".join(lines) + note + ("".join(errors) if errors else "")
+            + ("\nTargets:\n" + "".join(targets) if targets else ""))

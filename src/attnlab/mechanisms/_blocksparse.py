@@ -6,7 +6,8 @@ this engine never builds n x m. Queries are cut into blocks of B rows. Query blo
 
 * a *window*: the L consecutive keys starting at position u*B - P (L a multiple of B), and
 * R *extra* keys given by position (global tokens, BigBird random blocks), the same for
-  every query of the block.
+  every query of the block;
+* and G *dense rows* (global queries) attend every key instead.
 
 An element mask inside each block's L + R keys (the pattern, bounds, causal, key mask) is
 computed from indices, so the result equals dense masked softmax exactly (up to float
@@ -21,6 +22,11 @@ Speed notes (2-core CPU, fp32; see docs/benchmarks.md):
   stay in cache. The forward keeps no probabilities (flash-attention style); the
   hand-written backward (``_BlockedAttention``) recomputes them chunk by chunk, does 5
   small GEMMs per chunk and overlap-adds the window gradients with L/B shifted slices.
+* Window and extra keys are two softmaxes merged by their log-sum-exp, never one
+  [.., L+R] buffer: a GEMM into a column slice falls back to one small GEMM per block,
+  and copying the keys into one operand costs a pass over the window per chunk. With
+  the dense rows inside the engine too, a global token costs O(n*d) extra work and no
+  copy of the output or its gradients (docs/benchmarks.md, "Global tokens").
 * Few, large ops per chunk: on a busy machine every parallel region waits for the
   slowest thread, so op count matters as much as FLOPs.
 * Attention dropout masks are regenerated in the backward from a per-call seed.
@@ -31,8 +37,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-
-from ..core import masked_softmax
 
 # Inputs shorter than this use the dense masked path (blocking does not pay off).
 DENSE_FALLBACK_MAX_LEN = 256
@@ -170,30 +174,34 @@ def _chunks(lay: _Layout, bias: torch.Tensor):
                     yield gi, s, s + 1, u0, min(u0 + uc, nqb)
 
 
-def _keys(lay: _Layout, flat: torch.Tensor, seq: torch.Tensor, extra, c) -> torch.Tensor:
-    """Keys of chunk c as [Tc, L+R, d]: the window view, or window + extras (one copy)."""
+def _keys(lay: _Layout, flat: torch.Tensor, seq: torch.Tensor, extra, c
+          ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Keys of chunk c: the window as a view [Tc, L, d] (no copy) and the extra keys
+    [Tc, R, d] (a small gather), or None."""
     _, s0, s1, u0, u1 = c
     t0, t1 = _span(lay, c)
     win = lay.window_t(flat, t0, t1).transpose(1, 2)  # [Tc,L,d]
     if extra is None:
-        return win
+        return win, None
     xk = seq[s0:s1][:, extra[u0:u1]]  # [hc,uc,R,d]
-    return torch.cat([win, xk.reshape(t1 - t0, -1, xk.shape[-1])], dim=1)
+    return win, xk.reshape(t1 - t0, -1, xk.shape[-1])
 
 
-def _scatter_keys(lay: _Layout, flat, seqs, extra, c, grad: torch.Tensor) -> None:
-    """Adjoint of ``_keys`` for K and V at once: add grad [2, Tc, L+R, d] into
-    flat [2, rows, d] (overlap-add of the windows; index-add of the extras)."""
+def _scatter_keys(lay: _Layout, flat, seqs, extra, c, gw: torch.Tensor,
+                  gx: torch.Tensor | None) -> None:
+    """Adjoint of ``_keys`` for K and V at once: add the window gradients gw [2, Tc, L, d]
+    into flat [2, rows, d] (overlap-add of the windows) and the extra keys' gx
+    [2, Tc, R, d] into the sequence views (index-add)."""
     _, s0, s1, u0, u1 = c
     t0, t1 = _span(lay, c)
     blocks = flat.view(2, -1, lay.B, flat.shape[-1])  # [2,rows/B,B,d]
-    win = grad[:, :, : lay.L].view(2, t1 - t0, lay.L // lay.B, lay.B, -1)  # [2,Tc,L/B,B,d]
+    win = gw.view(2, t1 - t0, lay.L // lay.B, lay.B, -1)  # [2,Tc,L/B,B,d]
     for o in range(lay.L // lay.B):  # B-row shifted slices: ~10x faster than unfold_backward
         blocks[:, t0 + o : t1 + o] += win[:, :, o]
-    if extra is not None:
+    if gx is not None:
         idx = extra[u0:u1].reshape(-1)
-        for seq, gx in zip(seqs, grad[:, :, lay.L :], strict=True):
-            seq[s0:s1].index_add_(1, idx, gx.reshape(s1 - s0, idx.shape[0], -1))
+        for seq, g in zip(seqs, gx, strict=True):
+            seq[s0:s1].index_add_(1, idx, g.reshape(s1 - s0, idx.shape[0], -1))
 
 
 def _span(lay: _Layout, c) -> tuple[int, int]:
@@ -202,13 +210,41 @@ def _span(lay: _Layout, c) -> tuple[int, int]:
     return s0 * lay.nqb + u0, (s1 - 1) * lay.nqb + u1
 
 
-def _probs(lay: _Layout, bias, qb, kc, c, scale: float) -> torch.Tensor:
-    """softmax(bias + scale * Q K^T) of chunk c: [Tc, B, L+R] (one fresh buffer)."""
+def _scores(lay: _Layout, bias, qb, keys, c, scale: float) -> list[torch.Tensor]:
+    """bias + scale * Q K^T of chunk c for each key part: the window [Tc, B, L] and the
+    extras [Tc, B, R], each a fresh contiguous buffer (a GEMM into a column slice of one
+    [.., L+R] buffer costs a copy unless R is a multiple of 16 floats)."""
     gi, s0, s1, u0, u1 = c
     t0, t1 = _span(lay, c)
-    s = bias[gi, u0:u1].repeat(s1 - s0, 1, 1)  # a fresh copy [Tc,B,L+R]
-    s.baddbmm_(qb[t0:t1], kc.transpose(1, 2), alpha=scale)
-    return torch.softmax(s, dim=-1)
+    q = qb[t0:t1]  # [Tc,B,d]
+    cols = (slice(0, lay.L), slice(lay.L, None))
+    out = []
+    for kpart, col in zip(keys, cols, strict=False):
+        s = bias[gi, u0:u1, :, col].repeat(s1 - s0, 1, 1)  # a fresh copy [Tc,B,L|R]
+        out.append(s.baddbmm_(q, kpart.transpose(1, 2), alpha=scale))
+    return out
+
+
+def _softmax_lse(s: torch.Tensor, own: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(s) over the last dim and its log-sum-exp [.., 1], with no exp pass of our
+    own (torch's fused softmax is ~3x faster than ``exp_`` here): lse = s_j - log p_j for
+    any column j whose p_j is a normal float (then the log is exact to float precision).
+
+    ``own``: s is [Tc, B, L] and row r's own key is column r + own (the window's
+    diagonal, a strided view: no pass over s); the few rows where its p_j < 1e-30 (a
+    masked or far-off own key), and ``own=None``, take j = argmax, found with two ``amax``
+    passes (``max`` with indices took 6x as long)."""
+    p = torch.softmax(s, dim=-1)
+    if own is None:
+        return p, s.amax(-1, keepdim=True) - p.amax(-1, keepdim=True).log_()
+    pj = p.diagonal(own, 1, 2).unsqueeze(-1)  # [Tc,B,1]
+    lse = s.diagonal(own, 1, 2).unsqueeze(-1) - pj.log()
+    bad = (pj < 1e-30).view(-1).nonzero().squeeze(1)
+    if bad.numel():
+        width = s.shape[-1]
+        sb, pb = s.view(-1, width)[bad], p.view(-1, width)[bad]  # [k,width]
+        lse.view(-1)[bad] = sb.amax(-1) - pb.amax(-1).log_()
+    return p, lse
 
 
 def _dropout_mask(like: torch.Tensor, p: float, seed: int, chunk: int) -> torch.Tensor:
@@ -218,40 +254,85 @@ def _dropout_mask(like: torch.Tensor, p: float, seed: int, chunk: int) -> torch.
     return keep.div_(1.0 - p)
 
 
+def _part_probs(parts: list[torch.Tensor], own: int | None
+                ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """Joint softmax over the key parts as each part's own softmax and its weight
+    c = exp(lse_part - lse) [Tc, B, parts] (None for a single part, where c = 1).
+    ``own``: the column offset of each query's own key in the window, or None."""
+    if len(parts) == 1:
+        return [torch.softmax(parts[0], dim=-1)], None
+    probs, lses = zip(*(_softmax_lse(s, j) for s, j in zip(parts, (own, None), strict=True)),
+                      strict=True)
+    lse = torch.cat(lses, dim=-1)  # [Tc,B,parts]
+    return list(probs), (lse - torch.logsumexp(lse, -1, keepdim=True)).exp_()
+
+
 class _BlockedAttention(torch.autograd.Function):
     """softmax(Q K^T * scale + bias) V over the block layout, with a hand-written backward.
 
     q, k, v: [S, n, d] (S = b*h sequences); bias [b|1, nqb, B, L+R]; live [b|1, nqb, B];
-    extra [nqb, R] long (clamped positions) or None. Returns [S, n, dv].
+    extra [nqb, R] long (clamped positions) or None; rows [G] long: query rows that
+    attend every key instead (global queries) with their bias rbias [b|1, G, n], or None.
+    Returns [S, n, dv].
+
+    The window keys (a strided view) and the extra keys (a small gather) are two parts of
+    one softmax: each part's softmax is computed on its own and the two are weighted by
+    exp(lse_part - lse), the flash-attention merge, so no [.., L+R] buffer or key copy is
+    made and extra keys cost O(R) per query. The forward keeps no probabilities, only the
+    part weights [T, B, parts]; the backward recomputes each part's softmax. Dense rows are
+    computed after the blocks and written over theirs; their part weights are set to 0,
+    so the blocked backward gives them nothing and no [S, n, d] copy or sum is made.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, bias, live, extra, lay: _Layout, scale: float, p: float,
-                seed: int):
+                seed: int, rows=None, rbias=None):
         B, nqb = lay.B, lay.nqb
         qp = lay.pad_queries(q)  # [S,np,d]
         kf, vf = lay.pad_keys(k), lay.pad_keys(v)  # [rows,d]
         ks, vs = lay.seq_view(kf), lay.seq_view(vf)  # [S,np,d] views
         qb = qp.view(lay.T, B, -1)  # [T,B,d]
         out = q.new_empty(lay.T, B, v.shape[-1])  # [T,B,dv]
+        parts = 1 if extra is None else 2
+        # each query's own key in its block's window (a likely large p for _softmax_lse)
+        own = lay.P if lay.P + B <= lay.L else None
+        weights = None if extra is None and rows is None else q.new_ones(lay.T, B, parts)
         for ci, c in enumerate(_chunks(lay, bias)):
             t0, t1 = _span(lay, c)
-            prob = _probs(lay, bias, qb, _keys(lay, kf, ks, extra, c), c, scale)
-            if p > 0:
-                prob.mul_(_dropout_mask(prob, p, seed, ci))
-            torch.bmm(prob, _keys(lay, vf, vs, extra, c), out=out[t0:t1])
-            del prob
+            keys = [x for x in _keys(lay, kf, ks, extra, c) if x is not None]
+            vals = [x for x in _keys(lay, vf, vs, extra, c) if x is not None]
+            probs, w = _part_probs(_scores(lay, bias, qb, keys, c, scale), own)
+            o = out[t0:t1]
+            for j, (prob, vpart) in enumerate(zip(probs, vals, strict=True)):
+                if p > 0:
+                    prob.mul_(_dropout_mask(prob, p, seed, 2 * ci + j))
+                if j == 0:
+                    torch.bmm(prob, vpart, out=o)
+                else:  # o = w_0 * P_0 V_0 + w_j * P_j V_j
+                    assert w is not None
+                    o.mul_(w[..., :1]).baddbmm_(prob.mul_(w[..., j : j + 1]), vpart)
+            if w is not None:
+                assert weights is not None
+                weights[t0:t1] = w
+            del probs
+        if rows is not None:
+            assert weights is not None
+            dense = _dense_rows(qp, ks, vs, rows, rbias, lay, scale, p, seed)[0]
+            out.view(lay.S, lay.np, -1)[:, rows] = dense
+            weights.view(lay.S, lay.np, -1)[:, rows] = 0  # no blocked gradient for them
+            live = live.clone()  # a dense row lives if it has any allowed key
+            live.view(live.shape[0], -1)[:, rows] = (rbias > _neg(rbias.dtype) / 2).any(-1)
         ctx.all_live = bool(live.all())
         if not ctx.all_live:  # rows with no allowed key (softmax over NEG only) -> 0
             out.view(live.shape[0], -1, nqb, B, out.shape[-1]).mul_(live[:, None, ..., None])
-        ctx.save_for_backward(qp, kf, vf, out, bias, live, extra)
+        ctx.save_for_backward(qp, kf, vf, out, weights, bias, live, extra, rows, rbias)
         ctx.cfg = (lay, scale, p, seed)
         res = out.view(lay.S, lay.np, -1)
         return res[:, : lay.n] if lay.np != lay.n else res
 
     @staticmethod
     def backward(ctx, grad):
-        qp, kf, vf, out, bias, live, extra = ctx.saved_tensors
+        qp, kf, vf, out, weights, bias, live, extra, rows, rbias = ctx.saved_tensors
         lay, scale, p, seed = ctx.cfg
         B = lay.B
         go = lay.pad_queries(grad)  # [S,np,dv]
@@ -266,29 +347,91 @@ class _BlockedAttention(torch.autograd.Function):
         dkvs = lay.seq_view(dkv[0]), lay.seq_view(dkv[1])  # [S,np,d] views
         for ci, c in enumerate(_chunks(lay, bias)):
             t0, t1 = _span(lay, c)
-            kc, vc = _keys(lay, kf, ks, extra, c), _keys(lay, vf, vs, extra, c)
-            prob = _probs(lay, bias, qb, kc, c, scale)  # recomputed [Tc,B,L+R]
-            g = go[t0:t1]  # [Tc,B,dv]
-            dprob = torch.bmm(g, vc.transpose(1, 2))  # [Tc,B,L+R]
-            dkvc = prob.new_empty(2, t1 - t0, prob.shape[-1], kf.shape[-1])  # [2,Tc,L+R,d]
-            if p > 0:
-                keep = _dropout_mask(prob, p, seed, ci)
-                dprob.mul_(keep)
-                keep.mul_(prob)  # the dropped-out probabilities
-                torch.bmm(keep.transpose(1, 2), g, out=dkvc[1])
-                del keep
-            else:
-                torch.bmm(prob.transpose(1, 2), g, out=dkvc[1])
-            ds = dprob.sub_(delta[t0:t1]).mul_(prob)  # dS without the scale
-            del prob
-            torch.baddbmm(dq[t0:t1], ds, kc, beta=0, alpha=scale, out=dq[t0:t1])
-            torch.baddbmm(dkvc[0], ds.transpose(1, 2), qb[t0:t1], beta=0, alpha=scale,
-                          out=dkvc[0])
-            del ds, dprob
-            _scatter_keys(lay, dkv, dkvs, extra, c, dkvc)
+            keys = [x for x in _keys(lay, kf, ks, extra, c) if x is not None]
+            vals = [x for x in _keys(lay, vf, vs, extra, c) if x is not None]
+            scores = _scores(lay, bias, qb, keys, c, scale)
+            q = qb[t0:t1]  # [Tc,B,d]
+            grads = []  # per part [2,Tc,L|R,d]: dK, dV
+            for j, (s, kpart, vpart) in enumerate(zip(scores, keys, vals, strict=True)):
+                prob = torch.softmax(s, dim=-1)  # recomputed [Tc,B,L|R]
+                del s
+                # The joint probabilities are w_j * prob: fold w_j into dO and delta.
+                g, d0 = go[t0:t1], delta[t0:t1]  # [Tc,B,dv] [Tc,B,1]
+                if weights is not None:
+                    wj = weights[t0:t1, :, j : j + 1]  # [Tc,B,1]
+                    g, d0 = g * wj, d0 * wj
+                dprob = torch.bmm(g, vpart.transpose(1, 2))  # [Tc,B,L|R]
+                gkv = prob.new_empty(2, t1 - t0, prob.shape[-1], kf.shape[-1])
+                if p > 0:
+                    keep = _dropout_mask(prob, p, seed, 2 * ci + j)
+                    dprob.mul_(keep)
+                    keep.mul_(prob)  # the dropped-out probabilities
+                    torch.bmm(keep.transpose(1, 2), g, out=gkv[1])
+                    del keep
+                else:
+                    torch.bmm(prob.transpose(1, 2), g, out=gkv[1])
+                ds = dprob.sub_(d0).mul_(prob)  # dS without the scale
+                del prob
+                torch.baddbmm(dq[t0:t1], ds, kpart, beta=1 if j else 0, alpha=scale,
+                              out=dq[t0:t1])
+                torch.baddbmm(gkv[0], ds.transpose(1, 2), q, beta=0, alpha=scale,
+                              out=gkv[0])
+                del ds, dprob
+                grads.append(gkv)
+            del scores
+            _scatter_keys(lay, dkv, dkvs, extra, c, grads[0], grads[1] if len(grads) > 1 else None)
         n = lay.n
-        dq = dq.view(lay.S, lay.np, -1)[:, :n]
-        return (dq, dkvs[0][:, :n], dkvs[1][:, :n], None, None, None, None, None, None, None)
+        dq = dq.view(lay.S, lay.np, -1)
+        if rows is not None:
+            _dense_rows_backward(qp, ks, vs, rows, rbias, lay, scale, p, seed,
+                                 go.view(lay.S, lay.np, -1), delta.view(lay.S, lay.np, 1),
+                                 dq, dkvs)
+        return (dq[:, :n], dkvs[0][:, :n], dkvs[1][:, :n], None, None, None, None, None,
+                None, None, None, None)
+
+
+_ROWS_CHUNK = 1 << 30  # dropout-mask id of the dense rows (chunk ids count from 0)
+
+
+def _dense_rows(qp, ks, vs, rows, rbias, lay: _Layout, scale: float, p: float, seed: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Dense rows of the engine: softmax(rbias + scale * Q_rows K^T) V over all n keys.
+    Returns the output [S, G, dv], the probabilities [S, G, n] and the dropout keep-mask."""
+    n, groups = lay.n, rbias.shape[0]
+    s = torch.bmm(qp[:, rows], ks[:, :n].transpose(1, 2))  # [S,G,n]
+    s.view(groups, -1, *s.shape[1:]).mul_(scale).add_(rbias[:, None])
+    prob = torch.softmax(s, dim=-1)
+    keep = _dropout_mask(prob, p, seed, _ROWS_CHUNK) if p > 0 else None
+    return torch.bmm(prob if keep is None else prob * keep, vs[:, :n]), prob, keep
+
+
+def _dense_rows_backward(qp, ks, vs, rows, rbias, lay: _Layout, scale: float, p: float,
+                         seed: int, go, delta, dq, dkvs) -> None:
+    """Adjoint of ``_dense_rows``: writes dQ of the rows, adds into dK and dV [S, np, d]."""
+    n = lay.n
+    _, prob, keep = _dense_rows(qp, ks, vs, rows, rbias, lay, scale, p, seed)
+    g = go[:, rows]  # [S,G,dv]
+    dprob = torch.bmm(g, vs[:, :n].transpose(1, 2))  # [S,G,n]
+    pk = prob if keep is None else prob * keep
+    if keep is not None:
+        dprob.mul_(keep)
+    dkvs[1][:, :n].baddbmm_(pk.transpose(1, 2), g)
+    ds = dprob.sub_(delta[:, rows]).mul_(prob)  # dS without the scale
+    dq[:, rows] = torch.bmm(ds, ks[:, :n]).mul_(scale)
+    dkvs[0][:, :n].baddbmm_(ds.transpose(1, 2), qp[:, rows], alpha=scale)
+
+
+def row_bias(rows: torch.Tensor, n: int, key_mask: torch.Tensor | None, causal: bool,
+             dtype: torch.dtype) -> torch.Tensor:
+    """Additive bias [b|1, G, n] of dense query rows: every key, minus padding and (causal)
+    keys after the row."""
+    allowed = torch.ones(1, rows.shape[0], n, dtype=torch.bool, device=rows.device)
+    if causal:
+        allowed = allowed & (torch.arange(n, device=rows.device) <= rows[:, None])
+    if key_mask is not None and not bool(key_mask.all()):
+        allowed = allowed & key_mask.to(device=rows.device, dtype=torch.bool)[:, None, :]
+    return torch.zeros(allowed.shape, dtype=dtype, device=rows.device).masked_fill_(
+        ~allowed, _neg(dtype))
 
 
 def blocked_attention(
@@ -305,13 +448,16 @@ def blocked_attention(
     causal: bool = False,
     scale: float,
     dropout: float = 0.0,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact masked softmax attention over a block layout; q, k, v [b,h,n,d] -> [b,h,n,dv].
 
     block B, left P, width L (multiple of B): query block u sees keys u*B-P .. u*B-P+L-1
     where ``pattern(i, j)`` allows them, plus the ``extra`` [nqb, R] key positions (-1 =
     unused; must not repeat a key the window already allows). ``dropout`` > 0 applies
-    attention dropout (the caller passes 0 in eval mode). Rows with no allowed key -> 0.
+    attention dropout (the caller passes 0 in eval mode). ``rows`` [G]: query positions
+    that attend every key (global queries; causal and padding still apply), computed
+    densely in O(G*n*d). Rows with no allowed key -> 0.
     """
     b, h, n, d = q.shape
     if k.shape[2] != n:
@@ -328,43 +474,13 @@ def blocked_attention(
     seed = int(torch.randint(0, 2**31 - 1, ())) if dropout > 0 else 0
     out = _BlockedAttention.apply(
         q.reshape(b * h, n, d), k.reshape(b * h, n, d), v.reshape(b * h, n, v.shape[-1]),
-        bias, live, xi, lay, scale, dropout, seed,
+        bias, live, xi, lay, scale, dropout, seed, rows,
+        None if rows is None else row_bias(rows, n, key_mask, causal, q.dtype),
     )
     return out.reshape(b, h, n, -1)
 
 
 # ------------------------------------------------------------------ helpers for the families
-
-
-def dense_rows(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    rows: torch.Tensor,
-    *,
-    key_mask: torch.Tensor | None,
-    causal: bool,
-    scale: float,
-    dropout: float,
-) -> torch.Tensor:
-    """Rows ``rows`` [G] of dense masked attention over all keys: [b,h,G,dv].
-
-    Global query rows (Longformer, BigBird) attend every key; there are few of them, so
-    computing them densely is O(G*m) and exact.
-    """
-    qg = q[:, :, rows]  # [b,h,G,d]
-    scores = torch.matmul(qg, k.transpose(-1, -2)) * scale  # [b,h,G,m]
-    m = k.shape[2]
-    allowed = torch.ones(rows.shape[0], m, dtype=torch.bool, device=q.device)  # [G,m]
-    if causal:
-        allowed = torch.arange(m, device=q.device)[None, :] <= rows[:, None]
-    allowed = allowed.expand(scores.shape)
-    if key_mask is not None:
-        allowed = allowed & key_mask[:, None, None, :].to(device=q.device, dtype=torch.bool)
-    probs = masked_softmax(scores, allowed)
-    if dropout > 0:
-        probs = torch.nn.functional.dropout(probs, dropout, training=True)
-    return torch.matmul(probs, v)
 
 
 def local_global_attention(
@@ -383,8 +499,8 @@ def local_global_attention(
     """|i - j| <= window OR i in G OR j in G, never building n x m: [b,h,n,dv].
 
     The band is the block window; global key columns are extra keys of every block (and
-    removed from the window so no key counts twice); global query rows are recomputed
-    densely over all keys and written over the blocked rows.
+    removed from the window so no key counts twice); global query rows are the engine's
+    dense rows.
     """
     n = q.shape[2]
     glob = sorted({t for t in global_tokens if 0 <= t < n})
@@ -403,15 +519,11 @@ def local_global_attention(
     nqb = -(-n // block)
     extra = gpos.expand(nqb, -1) if glob else None  # [nqb,G]
     width = window_width(block, window, 0 if causal else window)
-    out = blocked_attention(
+    return blocked_attention(
         q, k, v, block=block, left=window, width=width, pattern=pattern, extra=extra,
         key_mask=key_mask, causal=causal, scale=scale, dropout=dropout,
+        rows=gpos if glob else None,
     )
-    if glob:
-        rows = dense_rows(q, k, v, gpos, key_mask=key_mask, causal=causal, scale=scale,
-                          dropout=dropout)
-        out = out.index_copy(2, gpos, rows)
-    return out
 
 
 def dilated_attention(

@@ -480,16 +480,11 @@ class BigBird(nn.Module):
         def pattern(i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
             return j // blk >= g  # the window minus the global columns (they are extras)
 
-        out = bs.blocked_attention(
+        return bs.blocked_attention(
             q, k, v, block=blk, left=half * blk, width=(2 * half + 1) * blk, pattern=pattern,
             extra=extra, key_mask=ctx.key_mask, causal=ctx.causal, scale=scale, dropout=p,
+            rows=torch.arange(min(g * blk, n), device=q.device) if g > 0 else None,
         )
-        if g > 0:
-            rows = torch.arange(min(g * blk, n), device=q.device)
-            dense = bs.dense_rows(q, k, v, rows, key_mask=ctx.key_mask, causal=ctx.causal,
-                                  scale=scale, dropout=p)
-            out = torch.cat([dense, out[:, :, rows.shape[0]:]], dim=2)
-        return out
 
     def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
         c = self.cfg
