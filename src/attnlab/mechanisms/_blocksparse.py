@@ -314,7 +314,7 @@ class _BlockedAttention(torch.autograd.Function):
             if w is not None:
                 assert weights is not None
                 weights[t0:t1] = w
-            del probs
+            del probs, prob  # the loop variable too: else 3 score buffers live at once
         if rows is not None:
             assert weights is not None
             dense = _dense_rows(qp, ks, vs, rows, rbias, lay, scale, p, seed)[0]
@@ -352,9 +352,8 @@ class _BlockedAttention(torch.autograd.Function):
             scores = _scores(lay, bias, qb, keys, c, scale)
             q = qb[t0:t1]  # [Tc,B,d]
             grads = []  # per part [2,Tc,L|R,d]: dK, dV
-            for j, (s, kpart, vpart) in enumerate(zip(scores, keys, vals, strict=True)):
-                prob = torch.softmax(s, dim=-1)  # recomputed [Tc,B,L|R]
-                del s
+            for j, (kpart, vpart) in enumerate(zip(keys, vals, strict=True)):
+                prob = torch.softmax(scores.pop(0), dim=-1)  # recomputed [Tc,B,L|R]
                 # The joint probabilities are w_j * prob: fold w_j into dO and delta.
                 g, d0 = go[t0:t1], delta[t0:t1]  # [Tc,B,dv] [Tc,B,1]
                 if weights is not None:
