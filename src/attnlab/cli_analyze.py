@@ -1,5 +1,5 @@
-"""``attnlab analyze heads|importance|connections`` and ``attnlab report``: thin wrappers over
-recipes (analyze, importance, connections, run_report).
+"""``attnlab analyze heads|importance|connections|overlap`` and ``attnlab report``: thin
+wrappers over recipes (analyze, importance, connections, run_report) and analysis.overlap.
 
 Registered in ``cli.py`` with ``app.add_typer(analyze_app, name="analyze")`` and
 ``app.command("report")(report)``. The recipes, attnlab.hf (transformers) and the plots
@@ -230,6 +230,41 @@ def _print_importance(result: Any, out: Path) -> None:
         f"{k // heads}:{k % heads} ({float(flat[k]):.3f})" for k in top))
     figures = "importance" + (", ablation" if abl is not None else "")
     console.print(f"wrote {out}/ (importance.json/csv/md, {figures}.png/svg)")
+
+
+@analyze_app.command("overlap")
+def overlap(
+    models: Annotated[list[str], typer.Argument(
+        help="'default' (the embedded MiniLM), finished run directories or saved model "
+             "folders.", show_default=False)],
+    out: Annotated[Path | None, typer.Option(
+        help="Also write {model: per-layer overlap} to this JSON file.")] = None,
+) -> None:
+    """W_O subspace overlap between the heads of each layer (attnlab.analysis.overlap)."""
+    from .analysis.overlap import model_overlap
+    from .io import write_json
+    from .recipes import analyze as rec  # start-up: the recipes load transformers
+
+    results: dict[str, Any] = {}
+    try:
+        for spec in models:
+            results[spec] = model_overlap(rec.load_model(spec).model)
+    except _errors() as e:
+        _fail(str(e).strip("'\""))
+        return
+    first = next(iter(results.values()))
+    table = Table(title="W_O subspace overlap between heads (mean cos^2 of the principal "
+                        f"angles over pairs of heads; chance {first['chance']:.3f})")
+    table.add_column("model", no_wrap=True)
+    for i in range(len(first["per_layer"])):
+        table.add_column(f"layer {i}", justify="right")
+    table.add_column("mean", justify="right")
+    for spec, rec_ in results.items():
+        table.add_row(spec, *(f"{v:.4f}" for v in rec_["per_layer"]), f"{rec_['mean']:.4f}")
+    console.print(table)
+    if out is not None:
+        write_json(out, results)
+        console.print(f"wrote {out}")
 
 
 def report(

@@ -259,3 +259,24 @@ def test_the_command_refuses_a_model_without_a_task_head(saved):
     res = runner.invoke(app, ["analyze", "importance", str(saved / "base"), *DATA])
     assert res.exit_code == 2
     assert "returned no loss" in " ".join(res.output.split())
+
+
+def test_overlap_command_tabulates_each_model_and_writes_json(saved):
+    from attnlab.analysis.overlap import model_overlap
+    from attnlab.recipes.analyze import load_model
+
+    out = saved / "overlap.json"
+    res = _invoke(["analyze", "overlap", saved / "clf", saved / "base", "--out", out])
+    assert "W_O subspace overlap" in res.output and "wrote" in res.output
+    doc = json.loads(out.read_text())
+    assert list(doc) == [str(saved / "clf"), str(saved / "base")]
+    want = model_overlap(load_model(str(saved / "clf")).model)
+    assert doc[str(saved / "clf")]["per_layer"] == pytest.approx(want["per_layer"])
+    assert doc[str(saved / "base")]["chance"] == pytest.approx(8 / 32)  # dv / D
+
+
+def test_overlap_command_names_a_missing_model(saved):
+    from attnlab.cli import app
+
+    res = runner.invoke(app, ["analyze", "overlap", str(saved / "nope")])
+    assert res.exit_code == 2 and "does not exist" in res.output
