@@ -255,10 +255,10 @@ def overlap(
     first = next(iter(results.values()))
     table = Table(title="W_O subspace overlap between heads (mean cos^2 of the principal "
                         f"angles over pairs of heads; chance {first['chance']:.3f})")
-    table.add_column("model", no_wrap=True)
+    table.add_column("model", overflow="fold")
     for i in range(len(first["per_layer"])):
-        table.add_column(f"layer {i}", justify="right")
-    table.add_column("mean", justify="right")
+        table.add_column(f"L{i}", justify="right", no_wrap=True, min_width=6)
+    table.add_column("mean", justify="right", no_wrap=True, min_width=6)
     for spec, rec_ in results.items():
         table.add_row(spec, *(f"{v:.4f}" for v in rec_["per_layer"]), f"{rec_['mean']:.4f}")
     console.print(table)
