@@ -77,6 +77,9 @@ NAMED_PLANS: dict[str, list[str]] = {
     # the paper's other placements, as halves of the 6-layer model
     "jat_early": ["0,1,2:0,2,4,6,8,10:jat(rho=5.0, coef=0.5)"],
     "jat_late": ["3,4,5:0,2,4,6,8,10:jat(rho=5.0, coef=0.5)"],
+    # the paper's default keeps the last of 12 layers vanilla ({1,2,3,8,9,10}); of 6 layers,
+    # layers {0,1,3,4} keep the final layer vanilla as well
+    "jat_keep_last": ["0,1,3,4:0,2,4,6,8,10:jat(rho=5.0, coef=0.5)"],
     # the same for encoder_config("small") (4 layers x 8 heads): middle layers, even heads
     "jat_small": ["1,2:0,2,4,6:jat(rho=5.0, coef=0.5)"],
 }
