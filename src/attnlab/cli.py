@@ -425,7 +425,8 @@ def bench_sparse(
 def bench_speed(
     mechanisms: Annotated[str | None, typer.Option(
         help="Comma-separated names or specs (default: every registered mechanism; peers "
-             "such as hf_nystromformer may be added).")] = None,
+             "may be added: hf_longformer, hf_bigbird, hf_nystromformer, hf_reformer_lsh, "
+             "flex_band, flex_longformer).")] = None,
     n: Annotated[str, typer.Option(help="Comma-separated lengths.")] = (
         "512,1024,2048,4096,8192,16384"),
     repeats: int = 3,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import attnlab
-from attnlab.bench.peers import PEERS, build_peer, ours_on_one_input
+from attnlab.bench.peers import PEERS, build_peer, forward_only, ours_for, ours_on_one_input
 from attnlab.bench.speed import measure
 
 H, D = 2, 8
@@ -43,7 +43,44 @@ def test_longformer_global_token_equals_ours():
     torch.testing.assert_close(peer(x(n)), mine(x(n)), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", sorted(PEERS))
+@pytest.mark.parametrize(("peer", "mine"), [
+    ("flex_band(window=8, compiled=0)", "band(window=8)"),
+    ("flex_longformer(window=8, global_tokens=2, compiled=0)",
+     "longformer(window=8, global_tokens=(0, 1))"),
+])
+def test_flex_peers_equal_our_pattern(peer, mine):
+    # eager FlexAttention (compiled=0: the same kernel semantics, no compile in the tests);
+    # n = 200 is not a multiple of FlexAttention's 128-block
+    n = 200
+    with torch.no_grad():
+        torch.testing.assert_close(build_peer(peer, H, D, n)(x(n)), ours(mine)(x(n)),
+                                   atol=1e-5, rtol=1e-5)
+    assert ours_for(peer) == mine
+
+
+def test_ours_for_names_the_same_key_sets():
+    assert ours_for("hf_longformer(window=64)") == "band(window=64)"
+    assert ours_for("hf_longformer") == "band(window=64)"  # the peer's default window
+    assert ours_for("hf_bigbird(block=16, random_blocks=1)") == (
+        "bigbird(block=16, num_random_blocks=1)")
+    assert ours_for("hf_nystromformer") == "nystrom(num_landmarks=64, conv_kernel=0)"
+    assert ours_for("hf_reformer_lsh") == "lsh(buckets=64, chunk=64, num_hashes=1)"
+    assert ours_for("band") is None
+    for peer in PEERS:  # every peer has an attnlab counterpart that builds
+        attnlab.build_mechanism(ours_for(peer), attnlab.HeadDims(H, D, max_len=128))
+
+
+def test_flex_is_forward_only_on_cpu():
+    assert forward_only("flex_band", "cpu") and not forward_only("flex_band", "cuda")
+    assert not forward_only("hf_longformer", "cpu") and not forward_only("band", "cpu")
+    res = measure("flex_band(window=8, compiled=0)", 256, heads=H, head_dim=D, repeats=1,
+                  part="memory")
+    assert set(res) == {"peak_fwd_mb"}  # no backward was attempted
+    res = measure("flex_band(window=8, compiled=0)", 256, heads=H, head_dim=D, repeats=1)
+    assert res["forward_only"] and res["fwd_ms"] > 0 and "fwdbwd_ms" not in res
+
+
+@pytest.mark.parametrize("name", sorted(p for p in PEERS if p.startswith("hf_")))
 def test_every_peer_runs_forward_and_backward(name):
     spec = {"hf_bigbird": "hf_bigbird(block=16, random_blocks=1)",
             "hf_reformer_lsh": "hf_reformer_lsh(buckets=4, chunk=16)",

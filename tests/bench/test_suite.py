@@ -55,6 +55,30 @@ def test_targets_band_memory_and_global_token_cost(tmp_path):
     assert "NOT met" in (tmp_path / "table.md").read_text()
 
 
+def test_forward_only_peer_and_peers_table(tmp_path):
+    def measure(method, n, **kw):
+        if method.startswith("flex_"):  # forward only, as FlexAttention on CPU
+            return {"fwd_ms": 1.0, "forward_only": True, "peak_fwd_mb": 0.5}
+        t = {"sdpa": 10.0, "band(window=128)": 2.0}.get(method, 3.0)
+        return {"fwd_ms": t, "fwdbwd_ms": 2 * t, "peak_fwd_mb": 1.0,
+                "peak_mem_mb": 4.0 if method == "sdpa" else 2.0}
+
+    res = run_suite(tmp_path, ["band", "flex_band(window=128)", "hf_longformer(window=128)"],
+                    (2048, 4096), progress=False, measure=measure)
+    flex = next(r for r in res["rows"] if r["method"].startswith("flex_") and r["n"] == 4096)
+    assert flex["fwd_speedup"] == 10.0 and flex["mem_ratio"] == 0.5  # forward vs forward
+    assert "fwdbwd_speedup" not in flex
+    assert res["exponents"]["flex_band(window=128)"] == pytest.approx(0.0)  # from fwd times
+    table = (tmp_path / "table.md").read_text()
+    assert "| fwd 1 (10.00x) | fwd 1 (10.00x) |" in table and "'fwd': forward only" in table
+    # peer / ours at the same n: flex forward 1 vs band 2 ms; HF 3 vs 2 ms, 6 vs 4 ms fwd+bwd
+    assert "| `flex_band(window=128)` | `band(window=128)` | 4096 | 0.50x | n/a | 0.50x (fwd) |" \
+        in table
+    assert "| `hf_longformer(window=128)` | `band(window=128)` | 4096 | 1.50x | 1.50x | 1.00x |" \
+        in table
+    assert (tmp_path / "scaling.png").stat().st_size > 0  # drawn without the forward-only row
+
+
 def test_resume_measures_only_what_is_missing(tmp_path):
     first = []
     run_suite(tmp_path, ["band"], (512, 1024), progress=False, measure=fake(first))

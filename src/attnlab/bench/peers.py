@@ -16,6 +16,17 @@ Peers (transformers module; parameters; what it computes):
 * ``hf_nystromformer(num_landmarks, conv_kernel)``: ``NystromformerSelfAttention``.
 * ``hf_reformer_lsh(buckets, chunk, num_hashes)``: ``LSHSelfAttention`` (one chunk before,
   none after; shared query-key).
+* ``flex_band(window)``, ``flex_longformer(window, global_tokens)``: torch's compiled
+  ``flex_attention`` with a ``BlockMask`` made from the pattern written as a closed-form
+  ``mask_mod`` (|i - j| <= window, or'ed with the first ``global_tokens`` rows and columns),
+  the way a FlexAttention user writes it: no [n, n] lookup table. The block mask is built
+  and the kernel compiled by the first call, a warm-up at the measured length that
+  ``bench.speed`` runs before the peak-memory mark is reset. On CPU (torch 2.13)
+  FlexAttention has no backward: these peers are forward-only there (``forward_only``).
+  ``compiled=0`` runs eager FlexAttention (slow; for the tests' equalities).
+
+``ours_for(peer)`` names the mechanism spec with the same key sets (or, for the
+approximations, the same budget), so a table can put each peer beside ours.
 """
 
 from __future__ import annotations
@@ -28,7 +39,7 @@ from torch import nn
 
 from ..core.spec import parse_spec
 
-PEER_PREFIX = "hf_"
+PEER_PREFIXES = ("hf_", "flex_")
 
 # peer name -> (default parameters, builder)
 _Builder = Callable[[dict[str, Any], int, int, int], Callable[[torch.Tensor], torch.Tensor]]
@@ -129,16 +140,71 @@ def _reformer_lsh(p: dict[str, Any], heads: int, head_dim: int, n: int):
     return run
 
 
+def _flex(global_default: int) -> _Builder:
+    def build(p: dict[str, Any], heads: int, head_dim: int, n: int):
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        window, g = int(p["window"]), int(p.get("global_tokens", global_default))
+
+        def mask_mod(b, h, qi, kj):  # the pattern, closed form (no lookup table)
+            allowed = (qi - kj).abs() <= window
+            return allowed | (qi < g) | (kj < g) if g else allowed
+
+        masks: dict[str, Any] = {}  # device -> BlockMask, built once
+        flex = torch.compile(flex_attention, dynamic=False) if p["compiled"] else flex_attention
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            b, dev = x.shape[0], str(x.device)
+            if dev not in masks:
+                masks[dev] = create_block_mask(mask_mod, None, None, n, n, device=dev)
+            heads_view = x.view(b, n, heads, head_dim).transpose(1, 2)  # [b,h,n,d]
+            q, k, v = (heads_view.clone() for _ in range(3))
+            out = flex(q, k, v, block_mask=masks[dev])  # [b,h,n,d]
+            return out.transpose(1, 2).reshape(b, n, heads * head_dim)
+
+        return run
+
+    return build
+
+
 PEERS: dict[str, tuple[dict[str, Any], _Builder]] = {
     "hf_longformer": ({"window": 64, "global_tokens": 0}, _longformer),
     "hf_bigbird": ({"block": 64, "random_blocks": 3}, _bigbird),
     "hf_nystromformer": ({"num_landmarks": 64, "conv_kernel": 0}, _nystromformer),
     "hf_reformer_lsh": ({"buckets": 64, "chunk": 64, "num_hashes": 1}, _reformer_lsh),
+    "flex_band": ({"window": 128, "compiled": 1}, _flex(0)),
+    "flex_longformer": ({"window": 128, "global_tokens": 1, "compiled": 1}, _flex(1)),
 }
 
 
 def is_peer(method: str) -> bool:
-    return method.startswith(PEER_PREFIX)
+    return method.startswith(PEER_PREFIXES)
+
+
+def forward_only(method: str, device: str) -> bool:
+    """Whether a method has no backward on ``device`` (FlexAttention on CPU, torch 2.13)."""
+    return method.startswith("flex_") and not device.startswith("cuda")
+
+
+def ours_for(method: str) -> str | None:
+    """Our mechanism spec with the same key sets as peer ``method`` (same budget for the
+    approximations), or None for a name that is not a peer."""
+    if not is_peer(method):
+        return None
+    name, kwargs = parse_spec(method)
+    if name not in PEERS:
+        return None
+    p = {**PEERS[name][0], **kwargs}
+    if name in ("hf_longformer", "flex_band", "flex_longformer"):
+        g = int(p.get("global_tokens", 0))
+        if not g:
+            return f"band(window={p['window']})"
+        return f"longformer(window={p['window']}, global_tokens={tuple(range(g))})"
+    if name == "hf_bigbird":
+        return f"bigbird(block={p['block']}, num_random_blocks={p['random_blocks']})"
+    if name == "hf_nystromformer":
+        return f"nystrom(num_landmarks={p['num_landmarks']}, conv_kernel={p['conv_kernel']})"
+    return f"lsh(buckets={p['buckets']}, chunk={p['chunk']}, num_hashes={p['num_hashes']})"
 
 
 def build_peer(method: str, heads: int, head_dim: int, n: int

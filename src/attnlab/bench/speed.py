@@ -39,8 +39,8 @@ from rich.progress import Progress
 
 from ..core import AttnContext, AttnOutput, HeadDims, build_mechanism, mechanism_class
 from ..io import write_json
-from ..train.memory import lifetime_peak_rss_mb
-from .peers import build_peer, is_peer, ours_on_one_input
+from ..train.memory import lifetime_peak_rss_mb, peak_rss_mb, reset_peak_rss
+from .peers import build_peer, forward_only, is_peer, ours_on_one_input
 from .plots import env_title, scaling_plot
 
 SDPA = "sdpa"
@@ -106,20 +106,25 @@ def measure(
             t.grad = None
         run(*inputs).sum().backward()
 
-    warm = min(n, 1024) if is_peer(method) else 64  # BigBird needs several blocks
-    small = make(warm)
-    small_run = runner(warm)
+    no_backward = forward_only(method, device)
+    # warm-up: kernels, thread pools, allocator; BigBird needs several blocks; compiled
+    # FlexAttention compiles per shape, so its warm-up is at n itself (the peak mark is
+    # reset after it, see DevicePeak)
+    warm = n if method.startswith("flex_") else min(n, 1024) if is_peer(method) else 64
+    small, small_run = make(warm), runner(warm)
     fwd(small_run, small)
-    fwdbwd(small_run, small)  # warm-up: kernels, thread pools, allocator
-    inputs, run = make(n), runner(n)
+    if not no_backward:
+        fwdbwd(small_run, small)
+    inputs, run = (small, small_run) if warm == n else (make(n), runner(n))
     out: dict[str, float] = {}
     if part in ("memory", "both"):
         peak.start()
         fwd(run, inputs)
         out["peak_fwd_mb"] = peak.mb()
-        peak.start()
-        fwdbwd(run, inputs)
-        out["peak_mem_mb"] = peak.mb()
+        if not no_backward:
+            peak.start()
+            fwdbwd(run, inputs)
+            out["peak_mem_mb"] = peak.mb()
         if part == "memory":
             return out
 
@@ -134,15 +139,20 @@ def measure(
             times.append((time.perf_counter() - start) * 1000)
         return sorted(times)[len(times) // 2]
 
+    if no_backward:
+        return {"fwd_ms": median_ms(fwd), "forward_only": True, **out}
     return {"fwd_ms": median_ms(fwd), "fwdbwd_ms": median_ms(fwdbwd), **out}
 
 
 class DevicePeak:
     """Peak memory of the calls after ``start()``, in MiB, above what was live at start.
 
-    CPU: the process's resident-set high-water mark (``ru_maxrss``), so the call must run
-    in a fresh process and the mark is cumulative (the base is taken at the first
-    ``start``; later calls keep it, so a forward+backward peak includes the forward). CUDA:
+    CPU: the resident-set high-water mark. On Linux the first ``start`` resets the kernel's
+    mark to the current resident size (``VmHWM``, ``train.memory.reset_peak_rss``), so a
+    warm-up's peak is not charged and does not hide the call's; elsewhere it is the
+    lifetime mark (``ru_maxrss``), which is why the call runs in a fresh process. The mark
+    is cumulative (the base is taken at the first ``start``; later calls keep it, so a
+    forward+backward peak includes the forward). CUDA:
     ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats`` (tensor memory,
     no fresh process needed). ``sync()`` waits for queued GPU work before reading a clock.
     """
@@ -150,6 +160,7 @@ class DevicePeak:
     def __init__(self, device: str):
         self.cuda = device.startswith("cuda")
         self.base: float | None = None
+        self.reset = False  # whether the kernel's mark was reset at the first start
 
     def sync(self) -> None:
         if self.cuda:
@@ -158,7 +169,7 @@ class DevicePeak:
     def _now(self) -> float:
         if self.cuda:
             return torch.cuda.max_memory_allocated() / 2**20
-        return lifetime_peak_rss_mb()
+        return peak_rss_mb() if self.reset else lifetime_peak_rss_mb()
 
     def start(self) -> None:
         self.sync()
@@ -166,6 +177,7 @@ class DevicePeak:
             torch.cuda.reset_peak_memory_stats()
             self.base = torch.cuda.memory_allocated() / 2**20
         elif self.base is None:
+            self.reset = reset_peak_rss()
             self.base = self._now()
 
     def mb(self) -> float:
@@ -251,10 +263,24 @@ def bench_sparse(
             run_all(lambda desc: bar.update(task, advance=1, description=desc))
     else:
         run_all(lambda desc: None)
-    base = {r["n"]: r for r in rows if r["method"] == SDPA}
+    return add_ratios(rows)
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each row with its ratios to SDPA at the same n (in place; rows with an "error" and
+    rows without an SDPA row at their n get none): fwd_speedup and fwdbwd_speedup (SDPA time
+    / method time) and mem_ratio (method peak / SDPA peak, forward+backward). A
+    forward-only row (FlexAttention on CPU) has no fwdbwd_speedup and its mem_ratio
+    compares forward peaks."""
+    base = {r["n"]: r for r in rows if r["method"] == SDPA and "error" not in r}
     for r in rows:
-        ref = base[r["n"]]
+        ref = base.get(r["n"])
+        if ref is None or "error" in r:
+            continue
         r["fwd_speedup"] = ref["fwd_ms"] / r["fwd_ms"]
+        if r.get("forward_only"):
+            r["mem_ratio"] = r["peak_fwd_mb"] / max(ref["peak_fwd_mb"], 1e-9)
+            continue
         r["fwdbwd_speedup"] = ref["fwdbwd_ms"] / r["fwdbwd_ms"]
         r["mem_ratio"] = r["peak_mem_mb"] / max(ref["peak_mem_mb"], 1e-9)
     return rows
@@ -267,10 +293,13 @@ def format_markdown(rows: list[dict[str, Any]]) -> str:
         "| fwd speed-up | fwd+bwd speed-up | memory vs SDPA |\n"
         "|---:|---|---:|---:|---:|---:|---:|---:|---:|\n"
     )
+    def cell(r: dict[str, Any], key: str, fmt: str) -> str:
+        return format(r[key], fmt) if key in r else "n/a"
+
     body = "".join(
-        f"| {r['n']} | `{r['method']}` | {r['fwd_ms']:.1f} | {r['fwdbwd_ms']:.1f} "
-        f"| {r['peak_fwd_mb']:.1f} | {r['peak_mem_mb']:.1f} | {r['fwd_speedup']:.2f}x "
-        f"| {r['fwdbwd_speedup']:.2f}x | {r['mem_ratio']:.2f}x |\n"
+        f"| {r['n']} | `{r['method']}` | {r['fwd_ms']:.1f} | {cell(r, 'fwdbwd_ms', '.1f')} "
+        f"| {r['peak_fwd_mb']:.1f} | {cell(r, 'peak_mem_mb', '.1f')} | {r['fwd_speedup']:.2f}x "
+        f"| {cell(r, 'fwdbwd_speedup', '.2f')}x | {r['mem_ratio']:.2f}x |\n"
         for r in rows
     )
     return head + body

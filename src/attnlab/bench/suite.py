@@ -13,6 +13,12 @@ needs the host's maximum length (Linformer's E, F) is built with max_len = n.
 Quadratic mechanisms (the complexity they declare has n*m, n^2 or "dense") run only up to
 ``dense_max_n``: beyond it their [b, h, n, n] scores would not fit in memory. Exponents are
 least-squares slopes of log time against log n over the lengths >= ``fit_from``.
+
+Peers (``bench.peers``: transformers' modules, compiled FlexAttention) may join the list;
+then every method is fed one input the way peers are, and the table gains a "Peers" part:
+each peer's time and memory over ours with the same key sets at the same n. A
+forward-only peer (FlexAttention on CPU) is timed and measured forward only and left out
+of the chart.
 """
 
 from __future__ import annotations
@@ -26,8 +32,8 @@ from rich.progress import Progress
 
 from ..core import list_mechanisms, mechanism_class
 from ..io import append_jsonl, atomic_write, read_jsonl, write_json
-from .peers import is_peer
-from .speed import SDPA, environment, measure_isolated
+from .peers import is_peer, ours_for
+from .speed import SDPA, add_ratios, environment, measure_isolated
 
 DEFAULT_NS = (512, 1024, 2048, 4096, 8192, 16384)
 
@@ -62,7 +68,7 @@ def is_quadratic(name: str) -> bool:
 
 def _key(row: dict[str, Any]) -> tuple:
     return (row["method"], row["n"], row["repeats"], row["threads"], row["heads"],
-            row["head_dim"], row["batch"])
+            row["head_dim"], row["batch"], row.get("one_input", False))
 
 
 def fit_exponent(points: Sequence[tuple[int, float]]) -> float | None:
@@ -100,8 +106,10 @@ def run_suite(
     names = list(mechanisms) if mechanisms else [
         m for m in list_mechanisms() if mechanism_class(m).caps.scope != "module"]
     specs = [m if "(" in m or is_peer(m) else bench_spec(m) for m in names]
+    # with peers in the run every method is fed like them: one leaf x, q = k = v copies
+    # (``bench.peers``), so the two sides compute and keep the same tensors
     common = dict(repeats=repeats, threads=threads, heads=heads, head_dim=head_dim,
-                  batch=batch)
+                  batch=batch, one_input=any(is_peer(s) for s in specs))
     jobs = [(method, n) for n in ns for method in dict.fromkeys([SDPA, *specs])
             if not (is_quadratic(method) and n > dense_max_n)]
     log = out / "rows.jsonl"
@@ -133,7 +141,7 @@ def run_suite(
                                    "ns": list(ns)}
     write_json(out / "results.json", results)
     atomic_write(out / "table.md", format_table(results))
-    ok = [r for r in results["rows"] if "error" not in r]
+    ok = [r for r in results["rows"] if "error" not in r and not r.get("forward_only")]
     if ok:
         from .plots import env_title, scaling_plot
 
@@ -147,19 +155,11 @@ def run_suite(
 
 def summarise(rows: list[dict[str, Any]], fit_from: int) -> dict[str, Any]:
     """Ratios against SDPA at the same n and each method's fitted exponent."""
-    base = {r["n"]: r for r in rows if r["method"] == SDPA and "error" not in r}
-    out_rows = []
-    for r in rows:
-        r = dict(r)
-        ref = base.get(r["n"])
-        if ref is not None and "error" not in r:
-            r["fwd_speedup"] = ref["fwd_ms"] / r["fwd_ms"]
-            r["fwdbwd_speedup"] = ref["fwdbwd_ms"] / r["fwdbwd_ms"]
-            r["mem_ratio"] = r["peak_mem_mb"] / max(ref["peak_mem_mb"], 1e-9)
-        out_rows.append(r)
+    out_rows = add_ratios([dict(r) for r in rows])
     exponents = {}
     for method in dict.fromkeys(r["method"] for r in out_rows):
-        pts = [(r["n"], r["fwdbwd_ms"]) for r in out_rows
+        pts = [(r["n"], r["fwd_ms"] if r.get("forward_only") else r["fwdbwd_ms"])
+               for r in out_rows
                if r["method"] == method and "error" not in r and r["n"] >= fit_from]
         exponents[method] = fit_exponent(pts)
     return {"rows": out_rows, "exponents": exponents}
@@ -229,21 +229,65 @@ def format_table(results: dict[str, Any]) -> str:
                 cells.append("-")
             elif "error" in r:
                 cells.append("error")
+            elif r.get("forward_only"):
+                ratio = f" ({r['fwd_speedup']:.2f}x)" if "fwd_speedup" in r else ""
+                cells.append(f"fwd {r['fwd_ms']:.0f}{ratio}")
             else:
                 ratio = f" ({r['fwdbwd_speedup']:.2f}x)" if "fwdbwd_speedup" in r else ""
                 cells.append(f"{r['fwdbwd_ms']:.0f}{ratio}")
         ran = [r for r in mine.values() if "error" not in r]
         last = max(ran, key=lambda r: r["n"]) if ran else None
         e = results["exponents"].get(method)
-        peak = f"{last['peak_mem_mb']:.0f} ({last['n']})" if last else "-"
+        peak = "-" if last is None else (
+            f"fwd {last['peak_fwd_mb']:.0f} ({last['n']})" if last.get("forward_only")
+            else f"{last['peak_mem_mb']:.0f} ({last['n']})")
         mem = f"{last['mem_ratio']:.2f}x" if last and "mem_ratio" in last else "-"
         lines.append(f"| `{method}` | " + " | ".join(cells)
                      + f" | {'-' if e is None else f'{e:.2f}'} | {peak} | {mem} |\n")
     errors = [f"- `{r['method']}` at n = {r['n']}: {r['error']}\n" for r in rows if "error" in r]
     note = ("\nForward+backward ms (speed-up vs SDPA at the same n); exponent: least-squares "
             "slope of log time on log n; '-': not run (quadratic beyond dense_max_n).\n")
+    if any(r.get("forward_only") for r in rows):
+        note += ("'fwd': forward only (no backward on this device), its speed-up, memory and "
+                 "exponent against SDPA's forward; left out of the plot.\n")
     targets = [f"- {t['what']} at n = {t['n']}: {t['value']:.2f} (target <= "
                f"{t['target']:.2f}: {'met' if t['met'] else 'NOT met'})\n"
                for t in results.get("targets", [])]
     return (head + "".join(lines) + note + ("".join(errors) if errors else "")
-            + ("\nTargets:\n" + "".join(targets) if targets else ""))
+            + peers_table(rows) + ("\nTargets:\n" + "".join(targets) if targets else ""))
+
+
+def peers_table(rows: list[dict[str, Any]]) -> str:
+    """Markdown: each peer against our mechanism with the same key sets (``ours_for``) at
+    the same n, when both ran: peer time / ours (forward, forward+backward) and peer peak /
+    ours (forward+backward; forward for forward-only peers). Empty without such pairs."""
+    from ..core import resolve_config
+
+    def config(method: str):
+        try:
+            return resolve_config(method)
+        except (ValueError, KeyError):
+            return None
+
+    ok = [r for r in rows if "error" not in r]
+    ours = [(r, config(r["method"])) for r in ok if r["method"] != SDPA
+            and not is_peer(r["method"])]
+    lines = []
+    for p in ok:
+        spec = ours_for(p["method"])
+        want = config(spec) if spec else None
+        mine = next((r for r, c in ours if c == want and r["n"] == p["n"]), None)
+        if want is None or mine is None:
+            continue
+        both = not p.get("forward_only") and "fwdbwd_ms" in mine
+        bwd = f"{p['fwdbwd_ms'] / mine['fwdbwd_ms']:.2f}x" if both else "n/a"
+        mem = (p["peak_mem_mb"] / mine["peak_mem_mb"] if both
+               else p["peak_fwd_mb"] / max(mine["peak_fwd_mb"], 1e-9))
+        lines.append(f"| `{p['method']}` | `{mine['method']}` | {p['n']} "
+                     f"| {p['fwd_ms'] / mine['fwd_ms']:.2f}x | {bwd} "
+                     f"| {mem:.2f}x{'' if both else ' (fwd)'} |\n")
+    if not lines:
+        return ""
+    return ("\nPeers (peer / ours: above 1x the peer is slower or uses more memory):\n\n"
+            "| peer | ours | n | fwd time | fwd+bwd time | peak memory |\n"
+            "|---|---|---:|---:|---:|---:|\n" + "".join(lines))
