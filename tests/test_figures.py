@@ -72,3 +72,15 @@ def test_quoted_welch_p_values_follow_from_the_seeds_in_the_tables():
     # the check can fail: a quoted p that the seeds do not give is reported
     pvalues.QUOTED.append(("x", "y", 0.9, [0.3138, 0.3609, 0.2766], [0.5776, 0.5993, 0.5632]))
     assert pvalues.check((ROOT / "docs" / "results.md").read_text())[-1].startswith("MISMATCH")
+
+
+def test_tuner_matrix_table_is_the_per_task_cells():
+    spec = importlib.util.spec_from_file_location("make_plots",
+                                                  ROOT / "docs" / "img" / "make_plots.py")
+    make_plots = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_plots)
+    text = (ROOT / "docs" / "results.md").read_text(encoding="utf-8")
+    assert make_plots.matrix_cells_elsewhere(text) == []
+    assert make_plots.matrix_markdown() in text  # the documented table is the printed one
+    make_plots.MATRIX["PASTA"][0] = (0.1234, 0.0001)  # a cell no task table shows
+    assert make_plots.matrix_cells_elsewhere(text) == ["0.1234 ± 0.0001"]

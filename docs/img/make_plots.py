@@ -9,6 +9,7 @@ compare`` and ``attnlab collect`` use) and ``attnlab.bench.plots.scaling_plot``.
 
     .venv/bin/python docs/img/make_plots.py               # every plot
     .venv/bin/python docs/img/make_plots.py tuners-matrix  # one plot (name = file stem)
+    .venv/bin/python docs/img/make_plots.py --matrix-table  # the tuner matrix, Markdown
 """
 
 from __future__ import annotations
@@ -99,6 +100,31 @@ MATRIX = {  # tuner -> one (mean, std) per task, in MATRIX_TASKS order
                (0.8461, 0.0057), (0.8243, 0.0007)],
     "Diff-Prune": [(0.2944, 0.0196), None, (0.8666, 0.0049), None, None, None],
 }
+MATRIX_TRAINED = {"full": "100%", "PASTA": "0.020-0.030%", "BitFit": "0.114-0.115%",
+                  "adapter": "1.039-1.046%", "LoRA": "0.325-0.327%", "prefix": "0.406-0.408%",
+                  "Diff-Prune": "0.500% kept"}
+MATRIX_HEADING, MATRIX_END = "### The matrix: 7 tuners x 6 tasks", "What the matrix shows"
+
+
+def matrix_markdown() -> str:
+    """The matrix as the Markdown table of docs/results.md (cells: mean ± std)."""
+    short = {"accuracy": "acc.", "entity F1": "F1"}
+    head = ("| | " + " | ".join(f"{label} ({short.get(unit, unit)})"
+                                for _, label, unit in MATRIX_TASKS)
+            + " | trained (% backbone) |\n|" + "---|" * (len(MATRIX_TASKS) + 2) + "\n")
+    body = "".join(
+        f"| {tuner} | " + " | ".join("-" if c is None else f"{c[0]:.4f} ± {c[1]:.4f}"
+                                     for c in cells) + f" | {MATRIX_TRAINED[tuner]} |\n"
+        for tuner, cells in MATRIX.items())
+    return head + body
+
+
+def matrix_cells_elsewhere(text: str) -> list[str]:
+    """Matrix cells that no per-task table shows (searched outside the matrix's section)."""
+    start, end = text.index(MATRIX_HEADING), text.index(MATRIX_END)
+    outside = text[:start] + text[end:]
+    cells = [f"{c[0]:.4f} ± {c[1]:.4f}" for cells in MATRIX.values() for c in cells if c]
+    return [c for c in cells if c not in outside]
 
 # ------------------------------------------------------------------ docs/benchmarks.md table
 
@@ -213,7 +239,17 @@ def check_numbers(name: str) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("names", nargs="*", help=f"plots to draw (default all): {', '.join(PLOTS)}")
+    ap.add_argument("--matrix-table", action="store_true",
+                    help="print the tuner matrix of docs/results.md from the per-task cells "
+                         "(each checked against its task's table) instead of drawing")
     args = ap.parse_args(argv)
+    if args.matrix_table:
+        orphans = matrix_cells_elsewhere((DOCS / "results.md").read_text(encoding="utf-8"))
+        if orphans:
+            print(f"not in any per-task table of docs/results.md: {orphans}", file=sys.stderr)
+            return 1
+        print(matrix_markdown(), end="")
+        return 0
     unknown = [n for n in args.names if n not in PLOTS]
     if unknown:
         ap.error(f"unknown plot(s) {unknown}; choose from {', '.join(PLOTS)}")
