@@ -1,5 +1,6 @@
-"""``attnlab analyze heads|importance|connections|overlap`` and ``attnlab report``: thin
-wrappers over recipes (analyze, importance, connections, run_report) and analysis.overlap.
+"""``attnlab analyze heads|importance|connections|overlap|links`` and ``attnlab report``:
+thin wrappers over recipes (analyze, importance, connections, run_report),
+analysis.overlap and analysis.jump_links.
 
 Registered in ``cli.py`` with ``app.add_typer(analyze_app, name="analyze")`` and
 ``app.command("report")(report)``. The recipes, attnlab.hf (transformers) and the plots
@@ -13,7 +14,7 @@ import shlex
 import sys
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, TypeVar, cast
 
 import typer
 from rich.console import Console
@@ -264,6 +265,86 @@ def overlap(
     console.print(table)
     if out is not None:
         write_json(out, results)
+        console.print(f"wrote {out}")
+
+
+def _percent(share: float) -> str:
+    """0.0914 -> "9.14%"; a share that is not zero never prints as 0.00%."""
+    return "<0.01%" if 0 < share < 1e-4 else f"{100 * share:.2f}%"
+
+
+@analyze_app.command("links")
+def links(
+    model: Annotated[str, typer.Argument(
+        help="'default' (the embedded MiniLM), a run directory, or a saved model folder.")
+    ] = "default",
+    task: Annotated[str, typer.Option(help="Task whose split is read.")] = "cola",
+    split: Annotated[str | None, typer.Option(help="Split. Default: the task's dev.")] = None,
+    data_dir: Annotated[str | None, typer.Option(
+        help="Data folder or 'builtin'. Default: ../shared/data if present, else builtin.")
+    ] = None,
+    sentences: Annotated[int, typer.Option(help="The first N examples of the split.")] = 16,
+    rho: Annotated[str, typer.Option(
+        help="Thresholds rho, comma-separated (JAT links i and j through key k when "
+             "S[i,k] S[j,k] / (d max(|K_k|, 1)) >= rho).")] = "5,10",
+    heads: Annotated[str, typer.Option(
+        help="Heads of every layer: all, even (JAT's in the paper's recipe), odd, or 0-based "
+             "indices such as 0,2.")] = "all",
+    padding: Annotated[str, typer.Option(
+        help="exclude: padding is no key and no pair (JAT mask_pads=True; independent of "
+             "batching); include: padding keys take part and every entry of the padded batch "
+             "counts (JAT's default mask_pads=False; depends on the batching).")
+    ] = "exclude",
+    max_length: Annotated[int, typer.Option(help="Tokens per example (truncated).")] = 64,
+    batch_size: Annotated[int, typer.Option(help="Examples per forward pass.")] = 32,
+    out: Annotated[Path | None, typer.Option(help="Also write the shares to this JSON file.")
+                   ] = None,
+) -> None:
+    """Jump-link density: per layer, the share of (i, j) pairs that JAT's jump graph links.
+
+    Counts C[i, j] = sum_k 1[S[i,k] S[j,k] / (d max(|K_k|, 1)) >= rho] on each head's raw
+    scores S = q k^T, exactly as the jat mechanism does; the share is the fraction of
+    (example, head, i, j) entries with C > 0, pooled over the examples and the chosen heads
+    (attnlab.analysis.jump_links).
+    """
+    from .analysis.jump_links import PadMode, head_set, jump_link_shares, parse_rhos
+    from .hf.arch import inspect_model
+    from .io import write_json
+    from .recipes import analyze as rec  # start-up: the recipes load transformers
+
+    if sentences < 1:
+        _fail(f"--sentences must be at least 1, got {sentences}")
+    try:
+        rhos = parse_rhos(rho)
+        loaded = rec.load_model(model)
+        head_list = head_set(heads, inspect_model(loaded.model).num_heads)
+        source = rec.TextSource(task=task, split=split, data_dir=data_dir, limit=sentences,
+                                max_length=max_length)
+        feats = rec.load_features(source, loaded.tokenizer)
+        result = jump_link_shares(loaded.model, loaded.tokenizer, feats, rhos,
+                                  heads=head_list, padding=cast(PadMode, padding),
+                                  batch_size=batch_size)
+    except _errors() as e:
+        _fail(str(e).strip("'\""))
+        return
+    chosen = heads if heads in ("all", "even", "odd") else ",".join(map(str, head_list))
+    console.print(f"{loaded.name}: {result.examples} examples of {source.describe()} (max "
+                  f"length {max_length}); heads {chosen} of every layer; padding {padding}",
+                  highlight=False)
+    table = Table(title="share of (i, j) pairs with at least one jump link")
+    table.add_column("layer", justify="right")
+    for r in result.rhos:
+        table.add_column(f"rho={r:g}", justify="right")
+    shares = result.shares  # [r, L]
+    for layer in range(shares.shape[1]):
+        table.add_row(str(layer), *(_percent(float(s)) for s in shares[:, layer]))
+    console.print(table)
+    if out is not None:
+        meta = {"model": loaded.name, "text": source.describe(), "max_length": max_length,
+                "batch_size": batch_size}
+        if Path(sys.argv[0]).name == "attnlab":  # not when called from Python/tests
+            meta["command"] = shlex.join(["attnlab", *sys.argv[1:]])
+        write_json(out, {**result.to_dict(), "meta": meta})
         console.print(f"wrote {out}")
 
 
