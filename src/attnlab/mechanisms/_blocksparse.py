@@ -36,6 +36,7 @@ Speed notes (2-core CPU, fp32; see docs/benchmarks.md):
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -48,7 +49,12 @@ DEFAULT_BLOCK = 64
 # (2 Mi elements were 15-30% faster single-threaded or on an idle CPU), larger ones mean fewer
 # parallel regions, and on a busy machine each region waits for a descheduled thread: 4 Mi
 # was about 2x faster than 2 Mi there. Memory grows by ~4 chunk buffers.
-CHUNK_ELEMS = 1 << 22
+# ATTNLAB_CHUNK_ELEMS overrides it for the process (read once, at import: the forward and
+# its backward must chunk alike, since the dropout masks are drawn per chunk).
+CHUNK_ELEMS = int(os.environ.get("ATTNLAB_CHUNK_ELEMS", 1 << 22))
+if CHUNK_ELEMS < 1:
+    raise ValueError(f"ATTNLAB_CHUNK_ELEMS must be a positive number of scores, got "
+                     f"{CHUNK_ELEMS}; unset it for the default {1 << 22}")
 
 Pattern = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
