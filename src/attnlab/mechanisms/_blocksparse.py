@@ -23,7 +23,7 @@ Speed notes (2-core CPU, fp32; see docs/benchmarks.md):
   hand-written backward (``_BlockedAttention``) recomputes them chunk by chunk; the
   window's dK and dV are L/B GEMMs per chunk, each accumulating into the B key rows of
   one shifted slice in place (no [Tc, L, d] gradient buffer: 118 MB instead of 148 MB
-  for band(128) forward+backward at n = 4096, 12 heads).
+  for band(128) forward+backward at n = 4096, 12 heads; 98 MB with 1 Mi-score chunks).
 * Window and extra keys are two softmaxes merged by their log-sum-exp, never one
   [.., L+R] buffer: a GEMM into a column slice falls back to one small GEMM per block,
   and copying the keys into one operand costs a pass over the window per chunk. With
@@ -45,16 +45,18 @@ import torch
 DENSE_FALLBACK_MAX_LEN = 256
 # Query block size B of the band-like patterns (tuned for d=64 fp32 on CPU; see the benchmark).
 DEFAULT_BLOCK = 64
-# Target number of score elements per chunk (fp32: 16 MiB). Smaller chunks stay in cache
-# (2 Mi elements were 15-30% faster single-threaded or on an idle CPU), larger ones mean fewer
-# parallel regions, and on a busy machine each region waits for a descheduled thread: 4 Mi
-# was about 2x faster than 2 Mi there. Memory grows by ~4 chunk buffers.
+# Target number of score elements per chunk (fp32: 4 MiB). The forward+backward peak holds
+# ~4 chunk buffers, so smaller chunks save memory, and they stay in cache: against 4 Mi,
+# 1 Mi took band(128) at n = 4096 from 118 to 98 MB and from 311 to 255 ms fwd+bwd on one
+# thread (docs/benchmarks.md, "Chunk size"). Larger chunks mean fewer parallel regions,
+# which helped on a busy machine with several threads (4 Mi was about 2x faster than 2 Mi
+# there, in an earlier uncommitted comparison).
 # ATTNLAB_CHUNK_ELEMS overrides it for the process (read once, at import: the forward and
 # its backward must chunk alike, since the dropout masks are drawn per chunk).
-CHUNK_ELEMS = int(os.environ.get("ATTNLAB_CHUNK_ELEMS", 1 << 22))
+CHUNK_ELEMS = int(os.environ.get("ATTNLAB_CHUNK_ELEMS", 1 << 20))
 if CHUNK_ELEMS < 1:
     raise ValueError(f"ATTNLAB_CHUNK_ELEMS must be a positive number of scores, got "
-                     f"{CHUNK_ELEMS}; unset it for the default {1 << 22}")
+                     f"{CHUNK_ELEMS}; unset it for the default {1 << 20}")
 
 Pattern = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

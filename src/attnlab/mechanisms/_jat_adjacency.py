@@ -61,8 +61,8 @@ _ENUM_FRACTION = 0.05
 _ENUM_CHUNK = 1 << 22
 # Elements per comparison chunk ([rows, n, n] bool, or [heads, n, n, n] for short inputs).
 _CMP_CHUNK = 1 << 19
-# The same off the CPU: GPUs want few large kernels, not cache-sized blocks (not tuned: the
-# GPU time of session 3 ended before this was measured; 64 Mi one-byte hits, ~0.2 GB temp).
+# The same off the CPU: GPUs want few large kernels, not cache-sized blocks (not tuned: no
+# GPU measurement of this value exists; 64 Mi one-byte hits, ~0.2 GB temp).
 _CMP_CHUNK_GPU = 1 << 26
 # ``direct`` (GPU): elements of the [heads, k, i, j] strength block per kernel, and the
 # longest input ``auto`` sends there (beyond it the O(n^2 log n + E) path wins on work).
