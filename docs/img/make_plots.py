@@ -57,6 +57,7 @@ PLACEMENTS = [
     row("BERT-JAT, layers 0, 1, 4, 5", 0.3209, 0.0080, [0.3288, 0.3129, 0.3209]),
     row("JAT early, layers 0, 1, 2", 0.3062, 0.0224, [0.3233, 0.3145, 0.2809]),
     row("JAT late, layers 3, 4, 5", 0.3356, 0.0114, [0.3386, 0.3452, 0.3229]),
+    row("JAT keep-last, layers 0, 1, 3, 4", 0.3037, 0.0279, [0.2765, 0.3323, 0.3024]),
 ]
 # "Training from scratch with and without JAT heads": % of CoLA train -> (mean, std, seeds)
 SCRATCH = {
