@@ -77,6 +77,8 @@ def test_forward_only_peer_and_peers_table(tmp_path):
     assert "| `hf_longformer(window=128)` | `band(window=128)` | 4096 | 1.50x | 1.50x | 1.00x |" \
         in table
     assert (tmp_path / "scaling.png").stat().st_size > 0  # drawn without the forward-only row
+    assert all(t["what"].endswith("(fed one input, as peers)") for t in res["targets"])
+    assert res["targets"]  # band's memory target at 4096 is reported, labelled
 
 
 def test_resume_measures_only_what_is_missing(tmp_path):
