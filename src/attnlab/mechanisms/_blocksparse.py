@@ -11,13 +11,16 @@ this engine never builds n x m. Queries are cut into blocks of B rows. Query blo
 
 An element mask inside each block's L + R keys (the pattern, bounds, causal, key mask) is
 computed from indices, so the result equals dense masked softmax exactly (up to float
-reordering). Memory: O(b*h*n*d) for padded copies and gradients, O(b*n*(L+R)) for the
-additive mask (shared by the heads; one copy when there is no padding) and a few chunk
-buffers of CHUNK_ELEMS scores.
+reordering). Memory: O(b*h*n*d) for the gradients (and for padded copies of K and V, made
+only when n is not a multiple of B: ``_KeyRows``), O(b*n*(L+R)) for the additive mask
+(shared by the heads; one copy when there is no padding) and a few chunk buffers of
+CHUNK_ELEMS scores. The backward saves q, k, v, the output and, with extra keys, the
+parts' weights.
 
 Speed notes (2-core CPU, fp32; see docs/benchmarks.md):
 * All sequences (b*h) and their padded positions are laid out in one flat [rows, d] array,
-  so every block's key window is a strided *view* (``unfold``): no gather copies.
+  so every block's key window is a strided *view* (``unfold``) of K or V: no gather
+  copies, and no copy of K and V at all when n is a multiple of B (``_KeyRows``).
 * The work runs in chunks of whole blocks (~CHUNK_ELEMS scores) so intermediate scores
   stay in cache. The forward keeps no probabilities (flash-attention style); the
   hand-written backward (``_BlockedAttention``) recomputes them chunk by chunk; the
@@ -29,8 +32,6 @@ Speed notes (2-core CPU, fp32; see docs/benchmarks.md):
   and copying the keys into one operand costs a pass over the window per chunk. With
   the dense rows inside the engine too, a global token costs O(n*d) extra work and no
   copy of the output or its gradients (docs/benchmarks.md, "Global tokens").
-* Few, large ops per chunk: on a busy machine every parallel region waits for the
-  slowest thread, so op count matters as much as FLOPs.
 * Attention dropout masks are regenerated in the backward from a per-call seed.
 """
 
@@ -164,6 +165,44 @@ class _Layout:
         return flat[t0 * self.B : t1 * self.B + self.L - self.B].unfold(0, self.L, self.B)
 
 
+class _KeyRows:
+    """The keys (or values) in the flat padded layout, copied only where they must be.
+
+    Without per-sequence padding (n == np) the flat layout is the caller's [S*n, d] rows with
+    P zero rows before them and L-B-P after, so a window is a view of the caller's tensor
+    shifted by P rows; only windows that reach past either end (the first blocks of the
+    first sequence, the last of the last) are built as a small zero-padded copy of just
+    their rows. So nothing of size [S, n, d] is copied, and the backward saves the input
+    itself. With per-sequence padding (n % B != 0) the whole padded copy is made, as
+    ``pad_keys`` gives it.
+    """
+
+    def __init__(self, lay: _Layout, x: torch.Tensor, padded: bool) -> None:
+        self.lay, self.x, self.padded = lay, x, padded  # x: [S, n, d] or flat [rows, d]
+        self.seq = lay.seq_view(x) if padded else x  # [S,np,d]
+
+    @classmethod
+    def of(cls, lay: _Layout, x: torch.Tensor) -> _KeyRows:
+        """From the input x [S, n, d]: a view when n == np, else the padded copy."""
+        if lay.np == lay.n:
+            return cls(lay, x.contiguous(), padded=False)
+        return cls(lay, lay.pad_keys(x), padded=True)
+
+    def window_t(self, t0: int, t1: int) -> torch.Tensor:
+        """Transposed key windows of blocks t0..t1: [t1-t0, d, L] (``_Layout.window_t``)."""
+        lay = self.lay
+        if self.padded:
+            return lay.window_t(self.x, t0, t1)
+        flat = self.x.view(-1, self.x.shape[-1])  # [S*n,d]: flat row r + P of the layout
+        lo, hi = t0 * lay.B - lay.P, t1 * lay.B + lay.L - lay.B - lay.P
+        if lo < 0 or hi > flat.shape[0]:  # reaches into the zero rows: copy these rows
+            rows = flat.new_zeros(hi - lo, flat.shape[-1])
+            a, b = max(lo, 0), min(hi, flat.shape[0])
+            rows[a - lo : b - lo] = flat[a:b]
+            flat, lo = rows, 0
+        return flat[lo : lo + (t1 - t0 - 1) * lay.B + lay.L].unfold(0, lay.L, lay.B)
+
+
 def _chunks(lay: _Layout, bias: torch.Tensor):
     """(gi, s0, s1, u0, u1): whole sequences s0..s1 of bias group gi, or blocks u0..u1 of
     one sequence. A group is a batch element when the bias depends on it (key mask), else
@@ -184,16 +223,15 @@ def _chunks(lay: _Layout, bias: torch.Tensor):
                     yield gi, s, s + 1, u0, min(u0 + uc, nqb)
 
 
-def _keys(lay: _Layout, flat: torch.Tensor, seq: torch.Tensor, extra, c
-          ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Keys of chunk c: the window as a view [Tc, L, d] (no copy) and the extra keys
-    [Tc, R, d] (a small gather), or None."""
+def _keys(lay: _Layout, src: _KeyRows, extra, c) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Keys of chunk c: the window as a view [Tc, L, d] (no copy but at the two ends of the
+    layout) and the extra keys [Tc, R, d] (a small gather), or None."""
     _, s0, s1, u0, u1 = c
     t0, t1 = _span(lay, c)
-    win = lay.window_t(flat, t0, t1).transpose(1, 2)  # [Tc,L,d]
+    win = src.window_t(t0, t1).transpose(1, 2)  # [Tc,L,d]
     if extra is None:
         return win, None
-    xk = seq[s0:s1][:, extra[u0:u1]]  # [hc,uc,R,d]
+    xk = src.seq[s0:s1][:, extra[u0:u1]]  # [hc,uc,R,d]
     return win, xk.reshape(t1 - t0, -1, xk.shape[-1])
 
 
@@ -304,8 +342,8 @@ class _BlockedAttention(torch.autograd.Function):
                 seed: int, rows=None, rbias=None):
         B, nqb = lay.B, lay.nqb
         qp = lay.pad_queries(q)  # [S,np,d]
-        kf, vf = lay.pad_keys(k), lay.pad_keys(v)  # [rows,d]
-        ks, vs = lay.seq_view(kf), lay.seq_view(vf)  # [S,np,d] views
+        kr, vr = _KeyRows.of(lay, k), _KeyRows.of(lay, v)  # keys, values in the layout
+        ks, vs = kr.seq, vr.seq  # [S,np,d]
         qb = qp.view(lay.T, B, -1)  # [T,B,d]
         out = q.new_empty(lay.T, B, v.shape[-1])  # [T,B,dv]
         parts = 1 if extra is None else 2
@@ -314,8 +352,8 @@ class _BlockedAttention(torch.autograd.Function):
         weights = None if extra is None and rows is None else q.new_ones(lay.T, B, parts)
         for ci, c in enumerate(_chunks(lay, bias)):
             t0, t1 = _span(lay, c)
-            keys = [x for x in _keys(lay, kf, ks, extra, c) if x is not None]
-            vals = [x for x in _keys(lay, vf, vs, extra, c) if x is not None]
+            keys = [x for x in _keys(lay, kr, extra, c) if x is not None]
+            vals = [x for x in _keys(lay, vr, extra, c) if x is not None]
             probs, w = _part_probs(_scores(lay, bias, qb, keys, c, scale), own)
             o = out[t0:t1]
             for j, (prob, vpart) in enumerate(zip(probs, vals, strict=True)):
@@ -340,30 +378,31 @@ class _BlockedAttention(torch.autograd.Function):
         ctx.all_live = bool(live.all())
         if not ctx.all_live:  # rows with no allowed key (softmax over NEG only) -> 0
             out.view(live.shape[0], -1, nqb, B, out.shape[-1]).mul_(live[:, None, ..., None])
-        ctx.save_for_backward(qp, kf, vf, out, weights, bias, live, extra, rows, rbias)
-        ctx.cfg = (lay, scale, p, seed)
+        ctx.save_for_backward(qp, kr.x, vr.x, out, weights, bias, live, extra, rows, rbias)
+        ctx.cfg = (lay, scale, p, seed, kr.padded)
         res = out.view(lay.S, lay.np, -1)
         return res[:, : lay.n] if lay.np != lay.n else res
 
     @staticmethod
     def backward(ctx, grad):
-        qp, kf, vf, out, weights, bias, live, extra, rows, rbias = ctx.saved_tensors
-        lay, scale, p, seed = ctx.cfg
+        qp, kx, vx, out, weights, bias, live, extra, rows, rbias = ctx.saved_tensors
+        lay, scale, p, seed, padded = ctx.cfg
+        kr, vr = _KeyRows(lay, kx, padded), _KeyRows(lay, vx, padded)
         B = lay.B
         go = lay.pad_queries(grad)  # [S,np,dv]
         if not ctx.all_live:  # dead rows (no allowed key) get no gradient
             go = go.view(live.shape[0], -1, lay.nqb, B, go.shape[-1]) * live[:, None, ..., None]
         go = go.view(lay.T, B, -1)  # [T,B,dv]
         delta = (go * out).sum(-1, keepdim=True)  # [T,B,1] = rowsum(P * dP)
-        ks, vs = lay.seq_view(kf), lay.seq_view(vf)
+        ks, vs = kr.seq, vr.seq  # [S,np,d]
         qb = qp.view(lay.T, B, -1)
         dq = torch.empty_like(qb)  # [T,B,d]
-        dkv = kf.new_zeros(2, *kf.shape)  # [2,rows,d]: dK and dV
+        dkv = kx.new_zeros(2, lay.rows, kx.shape[-1])  # [2,rows,d]: dK and dV, padded
         dkvs = lay.seq_view(dkv[0]), lay.seq_view(dkv[1])  # [S,np,d] views
         for ci, c in enumerate(_chunks(lay, bias)):
             t0, t1 = _span(lay, c)
-            keys = [x for x in _keys(lay, kf, ks, extra, c) if x is not None]
-            vals = [x for x in _keys(lay, vf, vs, extra, c) if x is not None]
+            keys = [x for x in _keys(lay, kr, extra, c) if x is not None]
+            vals = [x for x in _keys(lay, vr, extra, c) if x is not None]
             scores = _scores(lay, bias, qb, keys, c, scale)
             q = qb[t0:t1]  # [Tc,B,d]
             for j, (kpart, vpart) in enumerate(zip(keys, vals, strict=True)):
@@ -486,88 +525,3 @@ def blocked_attention(
         None if rows is None else row_bias(rows, n, key_mask, causal, q.dtype),
     )
     return out.reshape(b, h, n, -1)
-
-
-# ------------------------------------------------------------------ helpers for the families
-
-
-def local_global_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    window: int,
-    global_tokens: tuple[int, ...] = (),
-    key_mask: torch.Tensor | None,
-    causal: bool,
-    scale: float,
-    dropout: float,
-    block: int = DEFAULT_BLOCK,
-) -> torch.Tensor:
-    """|i - j| <= window OR i in G OR j in G, never building n x m: [b,h,n,dv].
-
-    The band is the block window; global key columns are extra keys of every block (and
-    removed from the window so no key counts twice); global query rows are the engine's
-    dense rows.
-    """
-    n = q.shape[2]
-    glob = sorted({t for t in global_tokens if 0 <= t < n})
-    gpos = torch.tensor(glob, dtype=torch.long, device=q.device)  # [G]
-    if glob:
-        is_global = torch.zeros(n + 1, dtype=torch.bool, device=q.device)
-        is_global[gpos] = True
-
-        def pattern(i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
-            return ((i - j).abs() <= window) & ~is_global[j.clamp(0, n)]
-    else:
-
-        def pattern(i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
-            return (i - j).abs() <= window
-
-    nqb = -(-n // block)
-    extra = gpos.expand(nqb, -1) if glob else None  # [nqb,G]
-    width = window_width(block, window, 0 if causal else window)
-    return blocked_attention(
-        q, k, v, block=block, left=window, width=width, pattern=pattern, extra=extra,
-        key_mask=key_mask, causal=causal, scale=scale, dropout=dropout,
-        rows=gpos if glob else None,
-    )
-
-
-def dilated_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    window: int,
-    dilation: int,
-    key_mask: torch.Tensor | None,
-    causal: bool,
-    scale: float,
-    dropout: float,
-) -> torch.Tensor:
-    """|i - j| <= w*r and (i - j) % r == 0 as a band of width w on each residue class mod r.
-
-    Positions with the same residue form a sequence of length n/r in which the dilated
-    pattern is a plain band; the classes are moved into the batch, run through the band
-    engine, and moved back (two O(n*d) copies).
-    """
-    b, h, n, _ = q.shape
-    r = dilation
-    n2 = -(-n // r) * r
-    if key_mask is None and n2 != n:
-        key_mask = torch.ones(b, n, dtype=torch.bool, device=q.device)
-    if key_mask is not None:
-        key_mask = torch.nn.functional.pad(key_mask.to(torch.bool), (0, n2 - n), value=False)
-        key_mask = key_mask.view(b, n2 // r, r).transpose(1, 2).reshape(b * r, n2 // r)
-
-    def split(x: torch.Tensor) -> torch.Tensor:  # [b,h,n,d] -> [b*r,h,n/r,d]
-        x = torch.nn.functional.pad(x, (0, 0, 0, n2 - n))
-        return x.view(b, h, n2 // r, r, -1).permute(0, 3, 1, 2, 4).reshape(b * r, h, n2 // r, -1)
-
-    out = local_global_attention(
-        split(q), split(k), split(v), window=window, key_mask=key_mask, causal=causal,
-        scale=scale, dropout=dropout,
-    )  # [b*r,h,n/r,dv]
-    out = out.view(b, r, h, n2 // r, -1).permute(0, 2, 3, 1, 4).reshape(b, h, n2, -1)
-    return out[:, :, :n]

@@ -49,6 +49,7 @@ from ..core.masks import (
     star_pattern,
     strided_pattern,
 )
+from . import _blockpatterns as bp
 from . import _blocksparse as bs
 from . import _flex
 
@@ -144,7 +145,7 @@ class Band(nn.Module):
         return pattern_bias(band_pattern(n, m, self.cfg.window))[None]
 
     def _fast(self, q, k, v, ctx: AttnContext, scale: float, p: float) -> torch.Tensor:
-        return bs.local_global_attention(
+        return bp.local_global_attention(
             q, k, v, window=self.cfg.window, key_mask=ctx.key_mask, causal=ctx.causal,
             scale=scale, dropout=p,
         )
@@ -188,7 +189,7 @@ class Dilated(nn.Module):
         return pattern_bias(dilated_pattern(n, m, self.cfg.window, self.cfg.dilation))[None]
 
     def _fast(self, q, k, v, ctx: AttnContext, scale: float, p: float) -> torch.Tensor:
-        return bs.dilated_attention(
+        return bp.dilated_attention(
             q, k, v, window=self.cfg.window, dilation=self.cfg.dilation,
             key_mask=ctx.key_mask, causal=ctx.causal, scale=scale, dropout=p,
         )
@@ -278,7 +279,7 @@ class GlobalTokens(nn.Module):
         return pattern_bias(global_pattern(n, m, self.cfg.tokens))[None]
 
     def _fast(self, q, k, v, ctx: AttnContext, scale: float, p: float) -> torch.Tensor:
-        return bs.local_global_attention(
+        return bp.local_global_attention(
             q, k, v, window=0, global_tokens=self.cfg.tokens, key_mask=ctx.key_mask,
             causal=ctx.causal, scale=scale, dropout=p,
         )
@@ -363,7 +364,7 @@ class Longformer(nn.Module):
         return pattern_bias(pat)[None]
 
     def _fast(self, q, k, v, ctx: AttnContext, scale: float, p: float) -> torch.Tensor:
-        return bs.local_global_attention(
+        return bp.local_global_attention(
             q, k, v, window=self.cfg.window, global_tokens=self.cfg.global_tokens,
             key_mask=ctx.key_mask, causal=ctx.causal, scale=scale, dropout=p,
         )
@@ -406,7 +407,7 @@ class Star(nn.Module):
         return pattern_bias(star_pattern(n, m, self.cfg.relay))[None]
 
     def _fast(self, q, k, v, ctx: AttnContext, scale: float, p: float) -> torch.Tensor:
-        return bs.local_global_attention(
+        return bp.local_global_attention(
             q, k, v, window=1, global_tokens=(self.cfg.relay,), key_mask=ctx.key_mask,
             causal=ctx.causal, scale=scale, dropout=p,
         )

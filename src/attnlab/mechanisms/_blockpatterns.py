@@ -1,0 +1,91 @@
+"""The sparse families' calls into the blocked engine (``_blocksparse.blocked_attention``):
+a local window with global tokens (band, Longformer, BigBird, star, global tokens) and a
+dilated window (the sequence split into interleaved subsequences)."""
+
+from __future__ import annotations
+
+import torch
+
+from . import _blocksparse as bs
+
+
+def local_global_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    window: int,
+    global_tokens: tuple[int, ...] = (),
+    key_mask: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+    dropout: float,
+    block: int = bs.DEFAULT_BLOCK,
+) -> torch.Tensor:
+    """|i - j| <= window OR i in G OR j in G, never building n x m: [b,h,n,dv].
+
+    The band is the block window; global key columns are extra keys of every block (and
+    removed from the window so no key counts twice); global query rows are the engine's
+    dense rows.
+    """
+    n = q.shape[2]
+    glob = sorted({t for t in global_tokens if 0 <= t < n})
+    gpos = torch.tensor(glob, dtype=torch.long, device=q.device)  # [G]
+    if glob:
+        is_global = torch.zeros(n + 1, dtype=torch.bool, device=q.device)
+        is_global[gpos] = True
+
+        def pattern(i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+            return ((i - j).abs() <= window) & ~is_global[j.clamp(0, n)]
+    else:
+
+        def pattern(i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+            return (i - j).abs() <= window
+
+    nqb = -(-n // block)
+    extra = gpos.expand(nqb, -1) if glob else None  # [nqb,G]
+    width = bs.window_width(block, window, 0 if causal else window)
+    return bs.blocked_attention(
+        q, k, v, block=block, left=window, width=width, pattern=pattern, extra=extra,
+        key_mask=key_mask, causal=causal, scale=scale, dropout=dropout,
+        rows=gpos if glob else None,
+    )
+
+
+def dilated_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    window: int,
+    dilation: int,
+    key_mask: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+    dropout: float,
+) -> torch.Tensor:
+    """|i - j| <= w*r and (i - j) % r == 0 as a band of width w on each residue class mod r.
+
+    Positions with the same residue form a sequence of length n/r in which the dilated
+    pattern is a plain band; the classes are moved into the batch, run through the band
+    engine, and moved back (two O(n*d) copies).
+    """
+    b, h, n, _ = q.shape
+    r = dilation
+    n2 = -(-n // r) * r
+    if key_mask is None and n2 != n:
+        key_mask = torch.ones(b, n, dtype=torch.bool, device=q.device)
+    if key_mask is not None:
+        key_mask = torch.nn.functional.pad(key_mask.to(torch.bool), (0, n2 - n), value=False)
+        key_mask = key_mask.view(b, n2 // r, r).transpose(1, 2).reshape(b * r, n2 // r)
+
+    def split(x: torch.Tensor) -> torch.Tensor:  # [b,h,n,d] -> [b*r,h,n/r,d]
+        x = torch.nn.functional.pad(x, (0, 0, 0, n2 - n))
+        return x.view(b, h, n2 // r, r, -1).permute(0, 3, 1, 2, 4).reshape(b * r, h, n2 // r, -1)
+
+    out = local_global_attention(
+        split(q), split(k), split(v), window=window, key_mask=key_mask, causal=causal,
+        scale=scale, dropout=dropout,
+    )  # [b*r,h,n/r,dv]
+    out = out.view(b, r, h, n2 // r, -1).permute(0, 2, 3, 1, 4).reshape(b, h, n2, -1)
+    return out[:, :, :n]
