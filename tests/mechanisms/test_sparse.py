@@ -488,3 +488,48 @@ def test_scaling_plot_draws_both_panels_and_skips_missing_points(tmp_path):
     import matplotlib.image
 
     assert matplotlib.image.imread(out).shape[1] == 1320  # 11 in x 120 dpi, two panels
+
+
+N_BLOCKS = 5 * bs.DEFAULT_BLOCK  # a multiple of the query block: K and V need no padded copy
+
+
+@pytest.mark.parametrize("spec", ["band(window=70)", "longformer(window=9, global_tokens=[1, 200])",
+                                  "bigbird(block=16, window_blocks=3, num_random_blocks=1)"])
+@pytest.mark.parametrize(("layout", "b", "chunk", "form"), [
+    ("contiguous", 2, 4000, "flat"),  # windows are views of k shifted by P rows
+    ("contiguous", 2, 1 << 22, "flat"),  # chunks of whole sequences
+    ("transposed", 1, 4000, "strided"),  # [b,n,h,d] as encoders give it: strided windows
+    ("transposed", 1, 1 << 22, "flat"),  # whole sequences need one stride: a copy
+    ("transposed", 2, 4000, "flat"),  # b > 1: reshape to [b*h, n, d] copies
+])
+def test_keys_without_padded_copy_match_reference(spec, layout, b, chunk, form, monkeypatch):
+    monkeypatch.setattr(bs, "CHUNK_ELEMS", chunk)
+    forms = []
+    real_of = bs._KeyRows.of
+
+    def spy(lay, x, inside):
+        rows = real_of(lay, x, inside)
+        forms.append(rows.form)
+        return rows
+
+    monkeypatch.setattr(bs._KeyRows, "of", staticmethod(spy))
+    mech = build(spec, heads=2)
+    g = torch.Generator().manual_seed(11)
+    n = N_BLOCKS
+    if layout == "contiguous":
+        leaves = [torch.randn(b, 2, n, 8, generator=g).requires_grad_() for _ in range(3)]
+        q, k, v = leaves
+    else:
+        leaves = [torch.randn(b, n, 2, 8, generator=g).requires_grad_() for _ in range(3)]
+        q, k, v = (x.transpose(1, 2) for x in leaves)  # [b,h,n,d], not contiguous
+    key_mask = torch.arange(n)[None, :] < torch.tensor([170, n][:b])[:, None]
+    c = attnlab.AttnContext(key_mask=key_mask)
+    out = mech(q, k, v, c).out
+    assert forms == [form, form]
+    ref, _ = attnlab.reference_attention(q, k, v, bias=mech.bias(n, n), key_mask=key_mask)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    gout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, gout)
+    grads_ref = torch.autograd.grad(ref, leaves, gout)
+    for a, r in zip(grads, grads_ref, strict=True):
+        torch.testing.assert_close(a, r, atol=1e-5, rtol=1e-5)

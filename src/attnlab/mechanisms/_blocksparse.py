@@ -168,39 +168,60 @@ class _Layout:
 class _KeyRows:
     """The keys (or values) in the flat padded layout, copied only where they must be.
 
-    Without per-sequence padding (n == np) the flat layout is the caller's [S*n, d] rows with
-    P zero rows before them and L-B-P after, so a window is a view of the caller's tensor
-    shifted by P rows; only windows that reach past either end (the first blocks of the
-    first sequence, the last of the last) are built as a small zero-padded copy of just
-    their rows. So nothing of size [S, n, d] is copied, and the backward saves the input
-    itself. With per-sequence padding (n % B != 0) the whole padded copy is made, as
-    ``pad_keys`` gives it.
+    Three forms, by what the input x [S, n, d] allows (``of``):
+
+    * ``flat``: x contiguous and n a multiple of B. The flat layout is x's [S*n, d] rows
+      with P zero rows before them and L-B-P after, so a window is a view of x shifted by
+      P rows; only windows that reach past either end (the first blocks of the first
+      sequence, the last of the last) are built as a small zero-padded copy of their rows.
+    * ``strided``: x not contiguous (a transposed [b, n, h, d] projection output, as
+      encoders pass it) with n a multiple of B, and chunks inside one sequence. A window
+      is a view of that sequence's strided rows; the blocks whose window reaches outside
+      the sequence take a small zero-padded copy.
+    * ``padded``: otherwise, the whole zero-padded copy ``_Layout.pad_keys`` makes.
+
+    The first two copy nothing of size [S, n, d], and the backward saves x itself.
     """
 
-    def __init__(self, lay: _Layout, x: torch.Tensor, padded: bool) -> None:
-        self.lay, self.x, self.padded = lay, x, padded  # x: [S, n, d] or flat [rows, d]
-        self.seq = lay.seq_view(x) if padded else x  # [S,np,d]
+    def __init__(self, lay: _Layout, x: torch.Tensor, form: str) -> None:
+        self.lay, self.x, self.form = lay, x, form  # x: [S, n, d], or flat [rows, d] if padded
+        self.seq = lay.seq_view(x) if form == "padded" else x  # [S,np,d]
 
     @classmethod
-    def of(cls, lay: _Layout, x: torch.Tensor) -> _KeyRows:
-        """From the input x [S, n, d]: a view when n == np, else the padded copy."""
-        if lay.np == lay.n:
-            return cls(lay, x.contiguous(), padded=False)
-        return cls(lay, lay.pad_keys(x), padded=True)
+    def of(cls, lay: _Layout, x: torch.Tensor, within_sequences: bool) -> _KeyRows:
+        """From the input x [S, n, d]; ``within_sequences``: every chunk lies inside one
+        sequence (``_chunks``' second case)."""
+        if lay.np != lay.n:
+            return cls(lay, lay.pad_keys(x), "padded")
+        if x.is_contiguous():
+            return cls(lay, x, "flat")
+        if within_sequences and x.stride(-1) == 1:
+            return cls(lay, x, "strided")
+        return cls(lay, x.contiguous(), "flat")
 
     def window_t(self, t0: int, t1: int) -> torch.Tensor:
         """Transposed key windows of blocks t0..t1: [t1-t0, d, L] (``_Layout.window_t``)."""
         lay = self.lay
-        if self.padded:
+        if self.form == "padded":
             return lay.window_t(self.x, t0, t1)
-        flat = self.x.view(-1, self.x.shape[-1])  # [S*n,d]: flat row r + P of the layout
-        lo, hi = t0 * lay.B - lay.P, t1 * lay.B + lay.L - lay.B - lay.P
-        if lo < 0 or hi > flat.shape[0]:  # reaches into the zero rows: copy these rows
-            rows = flat.new_zeros(hi - lo, flat.shape[-1])
-            a, b = max(lo, 0), min(hi, flat.shape[0])
-            rows[a - lo : b - lo] = flat[a:b]
-            flat, lo = rows, 0
-        return flat[lo : lo + (t1 - t0 - 1) * lay.B + lay.L].unfold(0, lay.L, lay.B)
+        if self.form == "flat":
+            rows = self.x.view(-1, self.x.shape[-1])  # [S*n,d]: flat row r + P of the layout
+            lo = t0 * lay.B - lay.P
+        else:  # the rows of one sequence; chunks never cross sequences here
+            s, u0 = divmod(t0, lay.nqb)
+            rows, lo = self.x[s], u0 * lay.B - lay.P  # [n,d], strided rows
+        hi = lo + (t1 - t0 - 1) * lay.B + lay.L
+        if lo < 0 or hi > rows.shape[0]:  # reaches into the zero rows: copy these rows
+            part = rows.new_zeros(hi - lo, rows.shape[-1])
+            a, b = max(lo, 0), min(hi, rows.shape[0])
+            part[a - lo : b - lo] = rows[a:b]
+            rows, lo, hi = part, 0, hi - lo
+        return rows[lo:hi].unfold(0, lay.L, lay.B)
+
+
+def _within_sequences(lay: _Layout, bias: torch.Tensor) -> bool:
+    """Whether ``_chunks`` cuts inside sequences (a sequence holds more than a chunk)."""
+    return lay.nqb * lay.B * bias.shape[-1] > CHUNK_ELEMS
 
 
 def _chunks(lay: _Layout, bias: torch.Tensor):
@@ -342,7 +363,8 @@ class _BlockedAttention(torch.autograd.Function):
                 seed: int, rows=None, rbias=None):
         B, nqb = lay.B, lay.nqb
         qp = lay.pad_queries(q)  # [S,np,d]
-        kr, vr = _KeyRows.of(lay, k), _KeyRows.of(lay, v)  # keys, values in the layout
+        inside = _within_sequences(lay, bias)
+        kr, vr = _KeyRows.of(lay, k, inside), _KeyRows.of(lay, v, inside)  # in the layout
         ks, vs = kr.seq, vr.seq  # [S,np,d]
         qb = qp.view(lay.T, B, -1)  # [T,B,d]
         out = q.new_empty(lay.T, B, v.shape[-1])  # [T,B,dv]
@@ -379,15 +401,15 @@ class _BlockedAttention(torch.autograd.Function):
         if not ctx.all_live:  # rows with no allowed key (softmax over NEG only) -> 0
             out.view(live.shape[0], -1, nqb, B, out.shape[-1]).mul_(live[:, None, ..., None])
         ctx.save_for_backward(qp, kr.x, vr.x, out, weights, bias, live, extra, rows, rbias)
-        ctx.cfg = (lay, scale, p, seed, kr.padded)
+        ctx.cfg = (lay, scale, p, seed, kr.form, vr.form)
         res = out.view(lay.S, lay.np, -1)
         return res[:, : lay.n] if lay.np != lay.n else res
 
     @staticmethod
     def backward(ctx, grad):
         qp, kx, vx, out, weights, bias, live, extra, rows, rbias = ctx.saved_tensors
-        lay, scale, p, seed, padded = ctx.cfg
-        kr, vr = _KeyRows(lay, kx, padded), _KeyRows(lay, vx, padded)
+        lay, scale, p, seed, kform, vform = ctx.cfg
+        kr, vr = _KeyRows(lay, kx, kform), _KeyRows(lay, vx, vform)
         B = lay.B
         go = lay.pad_queries(grad)  # [S,np,dv]
         if not ctx.all_live:  # dead rows (no allowed key) get no gradient
