@@ -495,14 +495,16 @@ N_BLOCKS = 5 * bs.DEFAULT_BLOCK  # a multiple of the query block: K and V need n
 
 @pytest.mark.parametrize("spec", ["band(window=70)", "longformer(window=9, global_tokens=[1, 200])",
                                   "bigbird(block=16, window_blocks=3, num_random_blocks=1)"])
-@pytest.mark.parametrize(("layout", "b", "chunk", "form"), [
-    ("contiguous", 2, 4000, "flat"),  # windows are views of k shifted by P rows
-    ("contiguous", 2, 1 << 22, "flat"),  # chunks of whole sequences
-    ("transposed", 1, 4000, "strided"),  # [b,n,h,d] as encoders give it: strided windows
-    ("transposed", 1, 1 << 22, "flat"),  # whole sequences need one stride: a copy
-    ("transposed", 2, 4000, "flat"),  # b > 1: reshape to [b*h, n, d] copies
+@pytest.mark.parametrize(("layout", "b", "chunk", "form", "masked"), [
+    ("contiguous", 2, 4000, "flat", True),  # windows are views of k shifted by P rows
+    ("contiguous", 2, 1 << 22, "flat", True),  # chunks of whole sequences
+    ("transposed", 1, 4000, "strided", True),  # [b,n,h,d] as encoders give it: strided
+    ("transposed", 1, 4000, "strided", False),  # no key mask: dO arrives strided too
+    ("transposed", 1, 1 << 22, "flat", True),  # whole sequences need one stride: a copy
+    ("transposed", 2, 4000, "flat", True),  # b > 1: reshape to [b*h, n, d] copies
 ])
-def test_keys_without_padded_copy_match_reference(spec, layout, b, chunk, form, monkeypatch):
+def test_keys_without_padded_copy_match_reference(spec, layout, b, chunk, form, masked,
+                                                   monkeypatch):
     monkeypatch.setattr(bs, "CHUNK_ELEMS", chunk)
     forms = []
     real_of = bs._KeyRows.of
@@ -513,6 +515,14 @@ def test_keys_without_padded_copy_match_reference(spec, layout, b, chunk, form, 
         return rows
 
     monkeypatch.setattr(bs._KeyRows, "of", staticmethod(spy))
+    strided_queries = []  # per _QueryRows made (q forward, q backward, dO): no block view
+
+    class QuerySpy(bs._QueryRows):
+        def __init__(self, *args):
+            super().__init__(*args)
+            strided_queries.append(self.flat is None)
+
+    monkeypatch.setattr(bs, "_QueryRows", QuerySpy)
     mech = build(spec, heads=2)
     g = torch.Generator().manual_seed(11)
     n = N_BLOCKS
@@ -523,13 +533,21 @@ def test_keys_without_padded_copy_match_reference(spec, layout, b, chunk, form, 
         leaves = [torch.randn(b, n, 2, 8, generator=g).requires_grad_() for _ in range(3)]
         q, k, v = (x.transpose(1, 2) for x in leaves)  # [b,h,n,d], not contiguous
     key_mask = torch.arange(n)[None, :] < torch.tensor([170, n][:b])[:, None]
+    key_mask = key_mask if masked else None
     c = attnlab.AttnContext(key_mask=key_mask)
     out = mech(q, k, v, c).out
     assert forms == [form, form]
     ref, _ = attnlab.reference_attention(q, k, v, bias=mech.bias(n, n), key_mask=key_mask)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-    gout = torch.randn_like(out)
+    # dO in the layout of the inputs: transposed [b,n,h,d] as an encoder's output would be
+    gout = torch.randn(leaves[0].shape, generator=g)
+    gout = gout if layout == "contiguous" else gout.transpose(1, 2)
     grads = torch.autograd.grad(out, leaves, gout)
     grads_ref = torch.autograd.grad(ref, leaves, gout)
     for a, r in zip(grads, grads_ref, strict=True):
         torch.testing.assert_close(a, r, atol=1e-5, rtol=1e-5)
+    # q in the forward and the backward, then dO: strided as it arrives without a key mask
+    # (with one, some patterns' padded rows pass through a product that makes it contiguous)
+    assert strided_queries[:2] == [form == "strided"] * 2 and len(strided_queries) == 3
+    if not masked:
+        assert strided_queries[2] == (form == "strided")

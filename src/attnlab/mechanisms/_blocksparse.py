@@ -14,13 +14,14 @@ computed from indices, so the result equals dense masked softmax exactly (up to 
 reordering). Memory: O(b*h*n*d) for the gradients (and for padded copies of K and V, made
 only when n is not a multiple of B: ``_KeyRows``), O(b*n*(L+R)) for the additive mask
 (shared by the heads; one copy when there is no padding) and a few chunk buffers of
-CHUNK_ELEMS scores. The backward saves q, k, v, the output and, with extra keys, the
-parts' weights.
+CHUNK_ELEMS scores. The backward saves q, k, v (the inputs themselves where no copy is
+needed), the output and, with extra keys or dense rows, the parts' weights.
 
 Speed notes (2-core CPU, fp32; see docs/benchmarks.md):
 * All sequences (b*h) and their padded positions are laid out in one flat [rows, d] array,
   so every block's key window is a strided *view* (``unfold``) of K or V: no gather
-  copies, and no copy of K and V at all when n is a multiple of B (``_KeyRows``).
+  copies, and no copy of K and V at all when n is a multiple of B (``_KeyRows``); q and
+  the output's gradient are read in place the same way (``_QueryRows``).
 * The work runs in chunks of whole blocks (~CHUNK_ELEMS scores) so intermediate scores
   stay in cache. The forward keeps no probabilities (flash-attention style); the
   hand-written backward (``_BlockedAttention``) recomputes them chunk by chunk; the
@@ -220,6 +221,36 @@ class _KeyRows:
         return rows[lo:hi].unfold(0, lay.L, lay.B)
 
 
+class _QueryRows:
+    """Query-side rows (q, or the output's gradient) as blocks [T, B, d], copied only where
+    they must be: a view when x [S, n, d] splits into blocks as it is (contiguous, or
+    expanded), per-sequence strided views when x is a transposed input and chunks lie inside
+    one sequence (as ``_KeyRows``), else a contiguous (zero-padded) copy."""
+
+    def __init__(self, lay: _Layout, x: torch.Tensor, inside: bool) -> None:
+        """x [S, n, d], or [S, np, d] already padded (what the forward saved)."""
+        self.lay = lay
+        self.flat: torch.Tensor | None = None
+        if x.shape[1] != lay.np:
+            x = lay.pad_queries(x)  # [S,np,d] contiguous
+        try:
+            self.flat = x.view(lay.T, lay.B, x.shape[-1])  # [T,B,d]
+        except RuntimeError:  # strides that do not merge sequences and blocks
+            if not (inside and x.stride(-1) == 1):
+                x = x.contiguous()
+                self.flat = x.view(lay.T, lay.B, x.shape[-1])
+        self.seq = x  # [S,np,d]
+
+    def blocks(self, t0: int, t1: int) -> torch.Tensor:
+        """Rows of query blocks t0..t1: [t1-t0, B, d] (a view)."""
+        if self.flat is not None:
+            return self.flat[t0:t1]
+        lay = self.lay
+        s, u0 = divmod(t0, lay.nqb)  # one sequence: chunks never cross sequences here
+        rows = self.seq[s, u0 * lay.B : (u0 + t1 - t0) * lay.B]  # [Tc*B,d], strided
+        return rows.view(t1 - t0, lay.B, rows.shape[-1])
+
+
 def _within_sequences(lay: _Layout, bias: torch.Tensor) -> bool:
     """Whether ``_chunks`` cuts inside sequences (a sequence holds more than a chunk)."""
     return lay.nqb * lay.B * bias.shape[-1] > CHUNK_ELEMS
@@ -285,13 +316,13 @@ def _span(lay: _Layout, c) -> tuple[int, int]:
     return s0 * lay.nqb + u0, (s1 - 1) * lay.nqb + u1
 
 
-def _scores(lay: _Layout, bias, qb, keys, c, scale: float) -> list[torch.Tensor]:
+def _scores(lay: _Layout, bias, qr: _QueryRows, keys, c, scale: float) -> list[torch.Tensor]:
     """bias + scale * Q K^T of chunk c for each key part: the window [Tc, B, L] and the
     extras [Tc, B, R], each a fresh contiguous buffer (a GEMM into a column slice of one
     [.., L+R] buffer costs a copy unless R is a multiple of 16 floats)."""
     gi, s0, s1, u0, u1 = c
     t0, t1 = _span(lay, c)
-    q = qb[t0:t1]  # [Tc,B,d]
+    q = qr.blocks(t0, t1)  # [Tc,B,d]
     cols = (slice(0, lay.L), slice(lay.L, None))
     out = []
     for kpart, col in zip(keys, cols, strict=False):
@@ -363,11 +394,11 @@ class _BlockedAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, bias, live, extra, lay: _Layout, scale: float, p: float,
                 seed: int, rows=None, rbias=None):
         B, nqb = lay.B, lay.nqb
-        qp = lay.pad_queries(q)  # [S,np,d]
         inside = _within_sequences(lay, bias)
+        qr = _QueryRows(lay, q, inside)  # q as blocks [T,B,d], uncopied where it can be
+        qp = qr.seq  # [S,np,d]
         kr, vr = _KeyRows.of(lay, k, inside), _KeyRows.of(lay, v, inside)  # in the layout
         ks, vs = kr.seq, vr.seq  # [S,np,d]
-        qb = qp.view(lay.T, B, -1)  # [T,B,d]
         out = q.new_empty(lay.T, B, v.shape[-1])  # [T,B,dv]
         parts = 1 if extra is None else 2
         # each query's own key in its block's window (a likely large p for _softmax_lse)
@@ -377,7 +408,7 @@ class _BlockedAttention(torch.autograd.Function):
             t0, t1 = _span(lay, c)
             keys = [x for x in _keys(lay, kr, extra, c) if x is not None]
             vals = [x for x in _keys(lay, vr, extra, c) if x is not None]
-            probs, w = _part_probs(_scores(lay, bias, qb, keys, c, scale), own)
+            probs, w = _part_probs(_scores(lay, bias, qr, keys, c, scale), own)
             o = out[t0:t1]
             for j, (prob, vpart) in enumerate(zip(probs, vals, strict=True)):
                 if p > 0:
@@ -402,36 +433,37 @@ class _BlockedAttention(torch.autograd.Function):
         if not ctx.all_live:  # rows with no allowed key (softmax over NEG only) -> 0
             out.view(live.shape[0], -1, nqb, B, out.shape[-1]).mul_(live[:, None, ..., None])
         ctx.save_for_backward(qp, kr.x, vr.x, out, weights, bias, live, extra, rows, rbias)
-        ctx.cfg = (lay, scale, p, seed, kr.form, vr.form)
+        ctx.cfg = (lay, scale, p, seed, kr.form, vr.form, inside)
         res = out.view(lay.S, lay.np, -1)
         return res[:, : lay.n] if lay.np != lay.n else res
 
     @staticmethod
     def backward(ctx, grad):
         qp, kx, vx, out, weights, bias, live, extra, rows, rbias = ctx.saved_tensors
-        lay, scale, p, seed, kform, vform = ctx.cfg
+        lay, scale, p, seed, kform, vform, inside = ctx.cfg
         kr, vr = _KeyRows(lay, kx, kform), _KeyRows(lay, vx, vform)
+        qr = _QueryRows(lay, qp, inside)
         B = lay.B
-        go = lay.pad_queries(grad)  # [S,np,dv]
         if not ctx.all_live:  # dead rows (no allowed key) get no gradient
-            go = go.view(live.shape[0], -1, lay.nqb, B, go.shape[-1]) * live[:, None, ..., None]
-        go = go.view(lay.T, B, -1)  # [T,B,dv]
-        delta = (go * out).sum(-1, keepdim=True)  # [T,B,1] = rowsum(P * dP)
+            grad = lay.pad_queries(grad).view(live.shape[0], -1, lay.nqb, B, grad.shape[-1])
+            grad = (grad * live[:, None, ..., None]).view(lay.S, lay.np, -1)
+        gr = _QueryRows(lay, grad, inside)  # dO as blocks, uncopied where it can be
+        delta = (gr.seq * out.view(lay.S, lay.np, -1)).sum(-1, keepdim=True)  # rowsum(P*dP)
+        delta = delta.view(lay.T, B, 1)  # [T,B,1]
         ks, vs = kr.seq, vr.seq  # [S,np,d]
-        qb = qp.view(lay.T, B, -1)
-        dq = torch.empty_like(qb)  # [T,B,d]
+        dq = qp.new_empty(lay.T, B, qp.shape[-1])  # [T,B,d]
         dkv = kx.new_zeros(2, lay.rows, kx.shape[-1])  # [2,rows,d]: dK and dV, padded
         dkvs = lay.seq_view(dkv[0]), lay.seq_view(dkv[1])  # [S,np,d] views
         for ci, c in enumerate(_chunks(lay, bias)):
             t0, t1 = _span(lay, c)
             keys = [x for x in _keys(lay, kr, extra, c) if x is not None]
             vals = [x for x in _keys(lay, vr, extra, c) if x is not None]
-            scores = _scores(lay, bias, qb, keys, c, scale)
-            q = qb[t0:t1]  # [Tc,B,d]
+            scores = _scores(lay, bias, qr, keys, c, scale)
+            q = qr.blocks(t0, t1)  # [Tc,B,d]
             for j, (kpart, vpart) in enumerate(zip(keys, vals, strict=True)):
                 prob = torch.softmax(scores.pop(0), dim=-1)  # recomputed [Tc,B,L|R]
                 # The joint probabilities are w_j * prob: fold w_j into dO and delta.
-                g, d0 = go[t0:t1], delta[t0:t1]  # [Tc,B,dv] [Tc,B,1]
+                g, d0 = gr.blocks(t0, t1), delta[t0:t1]  # [Tc,B,dv] [Tc,B,1]
                 if weights is not None:
                     wj = weights[t0:t1, :, j : j + 1]  # [Tc,B,1]
                     g, d0 = g * wj, d0 * wj
@@ -454,7 +486,7 @@ class _BlockedAttention(torch.autograd.Function):
         dq = dq.view(lay.S, lay.np, -1)
         if rows is not None:
             _dense_rows_backward(qp, ks, vs, rows, rbias, lay, scale, p, seed,
-                                 go.view(lay.S, lay.np, -1), delta.view(lay.S, lay.np, 1),
+                                 gr.seq, delta.view(lay.S, lay.np, 1),
                                  dq, dkvs)
         return (dq[:, :n], dkvs[0][:, :n], dkvs[1][:, :n], None, None, None, None, None,
                 None, None, None, None)
