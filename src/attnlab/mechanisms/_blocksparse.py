@@ -28,7 +28,7 @@ Speed notes (2-core CPU, fp32; see docs/benchmarks.md):
   window's dK and dV are L/B GEMMs per chunk, each accumulating into the B key rows of
   one shifted slice in place (no [Tc, L, d] gradient buffer: 118 MB instead of 148 MB
   for band(128) forward+backward at n = 4096, 12 heads; 98 MB with 1 Mi-score chunks,
-  74 MB without K, V copies).
+  62 MB without copies of K, V, q and dO).
 * Window and extra keys are two softmaxes merged by their log-sum-exp, never one
   [.., L+R] buffer: a GEMM into a column slice falls back to one small GEMM per block,
   and copying the keys into one operand costs a pass over the window per chunk. With
