@@ -181,9 +181,14 @@ def is_peer(method: str) -> bool:
     return method.startswith(PEER_PREFIXES)
 
 
+def is_flex(method: str) -> bool:
+    """A compiled FlexAttention peer (it compiles per shape: warm it up at the measured n)."""
+    return method.startswith("flex_")
+
+
 def forward_only(method: str, device: str) -> bool:
     """Whether a method has no backward on ``device`` (FlexAttention on CPU, torch 2.13)."""
-    return method.startswith("flex_") and not device.startswith("cuda")
+    return is_flex(method) and not device.startswith("cuda")
 
 
 def ours_for(method: str) -> str | None:

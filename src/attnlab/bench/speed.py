@@ -40,7 +40,7 @@ from rich.progress import Progress
 from ..core import AttnContext, AttnOutput, HeadDims, build_mechanism, mechanism_class
 from ..io import write_json
 from ..train.memory import lifetime_peak_rss_mb, peak_rss_mb, reset_peak_rss
-from .peers import build_peer, forward_only, is_peer, ours_on_one_input
+from .peers import build_peer, forward_only, is_flex, is_peer, ours_on_one_input
 from .plots import env_title, scaling_plot
 
 SDPA = "sdpa"
@@ -110,7 +110,7 @@ def measure(
     # warm-up: kernels, thread pools, allocator; BigBird needs several blocks; compiled
     # FlexAttention compiles per shape, so its warm-up is at n itself (the peak mark is
     # reset after it, see DevicePeak)
-    warm = n if method.startswith("flex_") else min(n, 1024) if is_peer(method) else 64
+    warm = n if is_flex(method) else min(n, 1024) if is_peer(method) else 64
     small, small_run = make(warm), runner(warm)
     fwd(small_run, small)
     if not no_backward:

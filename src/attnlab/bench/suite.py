@@ -165,6 +165,19 @@ def summarise(rows: list[dict[str, Any]], fit_from: int) -> dict[str, Any]:
     return {"rows": out_rows, "exponents": exponents}
 
 
+def _config(method: str):
+    """The resolved config of one of our mechanism specs; None for SDPA, a peer or a spec
+    that does not resolve."""
+    from ..core import resolve_config
+
+    if method == SDPA or is_peer(method):
+        return None
+    try:
+        return resolve_config(method)
+    except (ValueError, KeyError):
+        return None
+
+
 # Targets of record (docs/benchmarks.md): band(window=128)'s forward+backward peak memory
 # against SDPA at these n, and the time a global token may add to a sliding window.
 BAND_MEMORY_TARGETS = {4096: 0.5, 16384: 0.25}
@@ -177,17 +190,7 @@ def check_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ``BAND_MEMORY_TARGETS``' lengths, and each ``longformer`` with global tokens against the
     same window without them (``band`` or ``longformer`` with no global tokens) at
     ``GLOBAL_TOKEN_N``, forward+backward. Each entry: what, n, value, target, met."""
-    from ..core import resolve_config
-
-    def config(method: str):
-        if method == SDPA or is_peer(method):
-            return None
-        try:
-            return resolve_config(method)
-        except (ValueError, KeyError):
-            return None
-
-    ok = [(r, config(r["method"])) for r in rows if "error" not in r]
+    ok = [(r, _config(r["method"])) for r in rows if "error" not in r]
     out: list[dict[str, Any]] = []
     for r, cfg in ok:
         if cfg is not None and cfg.name == "band" and cfg.window == 128 \
@@ -263,21 +266,12 @@ def peers_table(rows: list[dict[str, Any]]) -> str:
     """Markdown: each peer against our mechanism with the same key sets (``ours_for``) at
     the same n, when both ran: peer time / ours (forward, forward+backward) and peer peak /
     ours (forward+backward; forward for forward-only peers). Empty without such pairs."""
-    from ..core import resolve_config
-
-    def config(method: str):
-        try:
-            return resolve_config(method)
-        except (ValueError, KeyError):
-            return None
-
     ok = [r for r in rows if "error" not in r]
-    ours = [(r, config(r["method"])) for r in ok if r["method"] != SDPA
-            and not is_peer(r["method"])]
+    ours = [(r, _config(r["method"])) for r in ok]
     lines = []
     for p in ok:
         spec = ours_for(p["method"])
-        want = config(spec) if spec else None
+        want = _config(spec) if spec else None
         mine = next((r for r, c in ours if c == want and r["n"] == p["n"]), None)
         if want is None or mine is None:
             continue

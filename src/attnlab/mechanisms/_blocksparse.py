@@ -262,9 +262,8 @@ def _chunks(lay: _Layout, bias: torch.Tensor):
     all b*h sequences form one group."""
     groups, nqb = bias.shape[0], lay.nqb
     per_group, per_block = lay.S // groups, lay.B * bias.shape[-1]
-    per_seq = nqb * per_block
-    if per_seq <= CHUNK_ELEMS:
-        sc = max(1, CHUNK_ELEMS // per_seq)
+    if not _within_sequences(lay, bias):
+        sc = max(1, CHUNK_ELEMS // (nqb * per_block))
         for gi in range(groups):
             for s0 in range(gi * per_group, (gi + 1) * per_group, sc):
                 yield gi, s0, min(s0 + sc, (gi + 1) * per_group), 0, nqb
