@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .cli_analyze import analyze_app, report
-from .cli_bench import bench_lra
+from .cli_bench import bench_lra, bench_record
 from .cli_data import app as data_app
 from .cli_tlm import tlm_app
 
@@ -496,6 +496,7 @@ app.add_typer(data_app, name="data")
 app.add_typer(tlm_app, name="tlm")
 app.command("report")(report)
 bench_app.command("lra")(bench_lra)
+bench_app.command("record")(bench_record)
 
 
 def main() -> None:  # pragma: no cover
