@@ -14,6 +14,7 @@ import argparse
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -35,8 +36,10 @@ def _mean_seconds(fn: Callable[[], object], repeats: int) -> float:
 def adamw_table(repeats: int) -> str:
     """One ``AdamW.step()`` over MiniLM's shapes: loop, foreach and fused kernels."""
     rows, base = [], None
-    for name, kw in (("per-tensor loop (CPU default)", {}), ("foreach=True", {"foreach": True}),
-                     ("fused=True", {"fused": True})):
+    kernels: tuple[tuple[str, dict[str, Any]], ...] = (
+        ("per-tensor loop (CPU default)", {}), ("foreach=True", {"foreach": True}),
+        ("fused=True", {"fused": True}))
+    for name, kw in kernels:
         ps = [torch.nn.Parameter(torch.randn(s)) for s in MINILM_SHAPES]
         for p in ps:
             p.grad = torch.randn_like(p)
