@@ -1,8 +1,8 @@
 """Redraw the committed plots in docs/img from the numbers in the docs' tables.
 
 The runs behind these plots (runs/, git-ignored) are not in the repository, so each plot is
-drawn from the table it illustrates in docs/results.md (docs/benchmarks.md for the JAT
-benchmark); the numbers below are copied from those tables, and the script checks that
+drawn from the table it illustrates in docs/results.md (docs/benchmarks-history.md for the JAT
+benchmark on the H100); the numbers below are copied from those tables, and the script checks that
 each one still appears in its document before drawing (a table edited without the plot
 fails loudly). Drawing code: ``attnlab.recipes.figures`` (the functions ``attnlab
 compare`` and ``attnlab collect`` use) and ``attnlab.bench.plots.scaling_plot``.
@@ -127,7 +127,7 @@ def matrix_cells_elsewhere(text: str) -> list[str]:
     cells = [f"{c[0]:.4f} ± {c[1]:.4f}" for cells in MATRIX.values() for c in cells if c]
     return [c for c in cells if c not in outside]
 
-# ------------------------------------------------------------------ docs/benchmarks.md table
+# ------------------------------------------------------- docs/benchmarks-history.md table
 
 # "On an H100 GPU": n, form, fwd+bwd ms, peak MB fwd+bwd (None: skipped, n^3 too large)
 BENCH_JAT_H100 = [(128, "naive", 5, 774), (128, "efficient", 8, 102),
@@ -224,7 +224,7 @@ PLOTS: dict[str, tuple[Callable[[], Path], str, list[float]]] = {
                     [v for r in TUNERS_COLA for v in [r["mean"], r["std"], *r["values"]]]),
     "tuners-matrix": (tuners_matrix, "results.md",
                       [v for cells in MATRIX.values() for c in cells if c for v in c]),
-    "bench-jat-h100": (bench_jat_h100, "benchmarks.md",
+    "bench-jat-h100": (bench_jat_h100, "benchmarks-history.md",
                        [v for r in BENCH_JAT_H100 for v in r[2:] if v is not None]),
 }
 

@@ -3,7 +3,7 @@
 Why: on CPU, glibc serves every allocation above its mmap threshold (at most 32 MiB) with a
 fresh mapping, and the kernel zero-fills each page on first touch. A mechanism whose
 intermediates are [b, h, n, r] fp32 tensors above that size pays those page faults on
-every op (the before and after timings are in docs/benchmarks.md, "The map §3.1-3.4",
+every op (the before and after timings are in docs/benchmarks-history.md, "The map §3.1-3.4",
 with their command). Computing a few heads at a time keeps each intermediate under
 ``SLICE_BYTES``, where freed blocks are reused, and changes nothing else: heads are
 independent in these mechanisms, so the result is identical (tested), and autograd saves

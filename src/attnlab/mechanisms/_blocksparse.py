@@ -17,7 +17,7 @@ only when n is not a multiple of B: ``_KeyRows``), O(b*n*(L+R)) for the additive
 CHUNK_ELEMS scores. The backward saves q, k, v (the inputs themselves where no copy is
 needed), the output and, with extra keys or dense rows, the parts' weights.
 
-Speed notes (2-core CPU, fp32; see docs/benchmarks.md):
+Speed notes (2-core CPU, fp32; see docs/benchmarks.md and docs/benchmarks-history.md):
 * All sequences (b*h) and their padded positions are laid out in one flat [rows, d] array,
   so every block's key window is a strided *view* (``unfold``) of K or V: no gather
   copies, and no copy of K and V at all when n is a multiple of B (``_KeyRows``); q and
@@ -33,7 +33,7 @@ Speed notes (2-core CPU, fp32; see docs/benchmarks.md):
   [.., L+R] buffer: a GEMM into a column slice falls back to one small GEMM per block,
   and copying the keys into one operand costs a pass over the window per chunk. With
   the dense rows inside the engine too, a global token costs O(n*d) extra work and no
-  copy of the output or its gradients (docs/benchmarks.md, "Global tokens").
+  copy of the output or its gradients (docs/benchmarks-history.md, "Global tokens").
 * Attention dropout masks are regenerated in the backward from a per-call seed.
 """
 
@@ -51,7 +51,7 @@ DEFAULT_BLOCK = 64
 # Target number of score elements per chunk (fp32: 4 MiB). The forward+backward peak holds
 # ~4 chunk buffers, so smaller chunks save memory, and they stay in cache: against 4 Mi,
 # 1 Mi took band(128) at n = 4096 from 118 to 98 MB and from 311 to 255 ms fwd+bwd on one
-# thread (docs/benchmarks.md, "Chunk size"). Larger chunks mean fewer parallel regions,
+# thread (docs/benchmarks-history.md, "Chunk size"). Larger chunks mean fewer parallel regions,
 # which helped on a busy machine with several threads (4 Mi was about 2x faster than 2 Mi
 # there, in an earlier uncommitted comparison).
 # ATTNLAB_CHUNK_ELEMS overrides it for the process (read once, at import: the forward and

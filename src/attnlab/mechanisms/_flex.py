@@ -12,7 +12,7 @@ as a ``score_mod`` (-inf for padded keys) instead of entering the cached mask.
 FlexAttention returns zeros for rows with no allowed key. No attention dropout here (the
 caller falls back to the blocked engine when dropout is active). Inputs are padded to a
 multiple of FLEX_BLOCK, so varying lengths share compiled shapes (added after the H100
-check in docs/benchmarks.md: verified on CPU with eager FlexAttention, not yet on a GPU).
+check in docs/benchmarks-history.md: verified on CPU with eager FlexAttention, not yet on a GPU).
 Cost: the cached pattern is an [n, m] bool lookup table (n*m bytes on the GPU); the
 compute is block-sparse.
 """

@@ -35,7 +35,7 @@ def use_fused_adamw(groups: list[dict], asked: bool | None) -> bool | None:
     """``fused``, or when unset: the fused AdamW kernel wherever torch has one for every
     parameter (CPU, CUDA; floating dtypes), as Hugging Face's Trainer defaults to. It
     computes the same update as the per-tensor loop (tested to 1e-6), 4.6x faster on CPU
-    (0.027 vs 0.126 s per step over MiniLM's 22.7 M parameters, docs/benchmarks.md)."""
+    (0.027 vs 0.126 s per step over MiniLM's 22.7 M parameters, docs/benchmarks-history.md)."""
     if asked is not None:
         return asked
     params = [p for g in groups for p in g["params"]]
