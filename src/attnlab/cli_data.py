@@ -123,3 +123,52 @@ def text(
         raise typer.Exit(code=2) from None
     _written(f"byte-level text from SST-2, seed {seed}, {min_bytes}-{max_bytes} bytes:", paths,
              {"train": num_train, "dev": num_dev}, "text", out)
+
+
+@app.command("squad-windows")
+def squad_windows(
+    data_dir: Annotated[Path, typer.Option(help="Data root holding squad/dev-v1.1.json.")
+                        ] = Path("../shared/data"),
+    splits: Annotated[str, typer.Option(
+        help="Comma-separated SPLIT:LIMIT (the first LIMIT questions of the split, as "
+             "task.train_limit / eval_limit take them).")] = "dev_train:4000,dev_eval:1000",
+    max_length: Annotated[int, typer.Option(help="Tokens per window.")] = 256,
+    stride: Annotated[int | None, typer.Option(
+        help="Window overlap in tokens (default: max_length // 3, the task's).")] = None,
+) -> None:
+    """Count what SQuAD's sliding windows hold with the installed tokenizers: windows, cut
+    contexts and answers in no window (huggingface/tokenizers#2091 cuts contexts)."""
+    import dataclasses
+
+    import tokenizers
+    import transformers
+
+    from .models import default_model_path
+    from .tasks.squad import SQUAD
+
+    task = dataclasses.replace(SQUAD, stride=stride)
+    try:
+        wanted = [(s.split(":")[0].strip(), int(s.split(":")[1])) for s in splits.split(",")]
+    except (IndexError, ValueError):
+        console.print(f"[bold red]error:[/] --splits {splits!r}: write SPLIT:LIMIT pairs, "
+                      "e.g. dev_train:4000,dev_eval:1000")
+        raise typer.Exit(code=2) from None
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(default_model_path(),
+                                                         local_files_only=True)
+        loaded = [(split, limit, task.load(split, data_dir)[:limit]) for split, limit in wanted]
+    except (ValueError, OSError, ImportError) as e:
+        console.print(f"[bold red]error:[/] {e}")
+        raise typer.Exit(code=2) from None
+    console.print(f"tokenizers {tokenizers.__version__}, transformers {transformers.__version__}"
+                  f", the embedded MiniLM tokenizer, {max_length} tokens, stride "
+                  f"{task.stride if task.stride is not None else max_length // 3}\n",
+                  markup=False)
+    console.print("| split | questions | windows | cut contexts | answers in no window |\n"
+                  "|---|---:|---:|---:|---:|", markup=False)
+    for split, limit, examples in loaded:
+        c = task.window_coverage(examples, tok, max_length)
+        share = c["answers_in_no_window"] / max(c["questions"], 1)
+        console.print(f"| {split} (first {limit}) | {c['questions']:,} | {c['windows']:,} | "
+                      f"{c['cut_contexts']} | {c['answers_in_no_window']} ({share:.1%}) |",
+                      markup=False)

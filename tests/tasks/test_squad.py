@@ -262,3 +262,30 @@ class _CutTail:
 def test_cut_contexts_are_a_clear_error(tokenizer):
     with pytest.raises(RuntimeError, match=r"1 of 1 SQuAD contexts lost their end.*>=0.23.3"):
         TASK.encode([example("pi rho")], _CutTail(tokenizer), MAXLEN)
+
+
+def test_window_coverage_counts_cut_contexts_and_lost_answers(tokenizer):
+    """The counts `attnlab data squad-windows` prints: with the tail cut (as tokenizers
+    0.23.1-0.23.2 cut it) an answer at the context's end lies in no window; uncut, none."""
+    exs = [example("pi rho", "q1"), example("ten", "q2"), example(None, "q3")]
+    whole = TASK.window_coverage(exs, tokenizer, MAXLEN)
+    assert whole == {"questions": 3, "windows": len(TASK.encode(exs, tokenizer, MAXLEN)),
+                     "cut_contexts": 0, "answers_in_no_window": 0}
+    cut = TASK.window_coverage(exs, _CutTail(tokenizer), MAXLEN)  # no refusal here
+    assert cut["cut_contexts"] == 3  # every example shares CTX
+    assert cut["answers_in_no_window"] == 1  # "ten" was in the last 10 characters
+
+
+def test_squad_windows_command(tmp_path):
+    from typer.testing import CliRunner
+
+    from attnlab.cli import app
+
+    doc = squad_json([("A", CTX, [("1", "Which?", "pi rho"), ("2", "Last?", "ten")])])
+    write(tmp_path / "dev-v1.1.json", json.dumps(doc))
+    res = CliRunner().invoke(app, ["data", "squad-windows", "--data-dir", str(tmp_path),
+                                   "--splits", "dev:2", "--max-length", "24", "--stride", "4"])
+    assert res.exit_code == 0, res.output
+    assert re.search(r"\| dev \(first 2\) \| 2 \| \d+ \| 0 \| 0 \(0.0%\) \|", res.output)
+    bad = CliRunner().invoke(app, ["data", "squad-windows", "--splits", "dev"])
+    assert bad.exit_code == 2 and "SPLIT:LIMIT" in bad.output

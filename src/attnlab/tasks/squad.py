@@ -163,20 +163,27 @@ def postprocess(examples: Sequence[SquadExample], features: Sequence[Feature],
     return texts, diffs
 
 
+def _cut_contexts(examples: Sequence[SquadExample], reached: Sequence[int],
+                  tokenizer: Any) -> list[tuple[int, int]]:
+    """(example index, character where its last token ends) for each context whose windows
+    stop before its last token. Only contexts whose windows stop before their last non-space
+    character are tokenized again (normally none)."""
+    maybe = [i for i, e in enumerate(examples) if reached[i] < len(e.context.rstrip())]
+    if not maybe:
+        return []
+    spans = tokenizer([examples[i].context for i in maybe], add_special_tokens=False,
+                      return_offsets_mapping=True, verbose=False)["offset_mapping"]
+    return [(i, o[-1][1]) for i, o in zip(maybe, spans, strict=True)
+            if o and reached[i] < o[-1][1]]
+
+
 def _check_windows_cover(examples: Sequence[SquadExample], reached: Sequence[int],
                          tokenizer: Any) -> None:
     """The windows of each example must reach its context's last token. tokenizers 0.23.1 and
     0.23.2 stop tokenizing a truncated pair early and drop the tail of long contexts from the
     overflowing windows (huggingface/tokenizers#2091): fail loudly rather than train and
-    evaluate on cut contexts. Only contexts whose windows stop before their last
-    non-space character are tokenized again (normally none)."""
-    maybe = [i for i, e in enumerate(examples) if reached[i] < len(e.context.rstrip())]
-    if not maybe:
-        return
-    spans = tokenizer([examples[i].context for i in maybe], add_special_tokens=False,
-                      return_offsets_mapping=True, verbose=False)["offset_mapping"]
-    short = [(i, o[-1][1]) for i, o in zip(maybe, spans, strict=True)
-             if o and reached[i] < o[-1][1]]
+    evaluate on cut contexts."""
+    short = _cut_contexts(examples, reached, tokenizer)
     if short:
         i, end = short[0]
         import tokenizers  # only for its version in this error message
@@ -236,9 +243,30 @@ class SquadTask:
     def encode(self, examples: Sequence[SquadExample], tokenizer: Any, max_length: int
                ) -> list[Feature]:
         """Sliding windows over each context; one feature per window."""
+        feats, reached = self._windows(examples, tokenizer, max_length)
+        _check_windows_cover(examples, reached, tokenizer)
+        return feats
+
+    def window_coverage(self, examples: Sequence[SquadExample], tokenizer: Any,
+                        max_length: int) -> dict[str, int]:
+        """What the windows of ``examples`` hold, without ``encode``'s refusal: questions,
+        windows, contexts whose windows stop before their last token, and answered questions
+        whose first answer lies whole in no window (training gives them [CLS] targets and
+        evaluation cannot predict them). The counts behind huggingface/tokenizers#2091's
+        effect (``attnlab data squad-windows``)."""
+        feats, reached = self._windows(examples, tokenizer, max_length)
+        inside = {f["example_index"] for f in feats if f["start_positions"] > 0}
+        return {"questions": len(examples), "windows": len(feats),
+                "cut_contexts": len(_cut_contexts(examples, reached, tokenizer)),
+                "answers_in_no_window": sum(1 for i, e in enumerate(examples)
+                                            if e.answers and i not in inside)}
+
+    def _windows(self, examples: Sequence[SquadExample], tokenizer: Any, max_length: int
+                 ) -> tuple[list[Feature], list[int]]:
+        """(features, per example the last context character a window holds)."""
         require_fast(tokenizer, self.name)
         if not examples:
-            return []
+            return [], []
         stride = self.stride if self.stride is not None else max_length // 3
         questions = [e.question.lstrip() for e in examples]
         longest = max(len(q) for q in tokenizer(questions, add_special_tokens=False)["input_ids"])
@@ -283,8 +311,7 @@ class SquadTask:
             f.update(start_positions=start_pos, end_positions=end_pos, example_index=ex_idx,
                      offset_mapping=spans)
             feats.append(f)
-        _check_windows_cover(examples, reached, tokenizer)
-        return feats
+        return feats, reached
 
     def collator(self, tokenizer: Any, seed: int = 0) -> Callable[[list[Feature]], dict]:
         return padding_collator(tokenizer)

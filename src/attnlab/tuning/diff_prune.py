@@ -101,8 +101,8 @@ class _NoisyDiff(torch.autograd.Function):
 
     The training-time gate touches every backbone entry twice per step; written as separate
     autograd ops it took about two thirds of a CPU step (profiled); fused, 1.8x faster
-    (``python -m attnlab.bench.train_costs``, docs/benchmarks.md). ``_reference_noisy_diff`` is the plain autograd form it is tested
-    against (forward and gradients, fp32 1e-6)."""
+    (``python -m attnlab.bench.train_costs``, docs/benchmarks.md). ``_reference_noisy_diff``
+    is the plain autograd form it is tested against (forward and gradients, fp32 1e-6)."""
 
     @staticmethod
     def forward(ctx, theta0, w, log_alpha, noise, beta: float, gamma: float, zeta: float):
