@@ -138,15 +138,13 @@ def squad_windows(
 ) -> None:
     """Count what SQuAD's sliding windows hold with the installed tokenizers: windows, cut
     contexts and answers in no window (huggingface/tokenizers#2091 cuts contexts)."""
-    import dataclasses
-
     import tokenizers
     import transformers
 
     from .models import default_model_path
-    from .tasks.squad import SQUAD
+    from .tasks.squad import SquadTask
 
-    task = dataclasses.replace(SQUAD, stride=stride)
+    task = SquadTask(stride=stride)
     try:
         wanted = [(s.split(":")[0].strip(), int(s.split(":")[1])) for s in splits.split(",")]
     except (IndexError, ValueError):
