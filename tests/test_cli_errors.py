@@ -65,3 +65,25 @@ def test_a_config_file_error_is_one_line(tmp_path):
     for command in ("validate", "run"):
         line = _error_line(runner.invoke(app, [command, str(bad)]))
         assert "epochz" in line and "epochs" in line
+
+
+@pytest.mark.parametrize("raw", ["abc", "0", "-3"])
+def test_bad_chunk_size_env_is_one_line(raw):
+    """ATTNLAB_CHUNK_ELEMS is read at import: ``import attnlab`` survives a bad value, the
+    CLI stops with one line, and the engine refuses to run with it."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "ATTNLAB_CHUNK_ELEMS": raw}
+    cli = subprocess.run([sys.executable, "-c", "from attnlab.cli import app; app()",
+                          "data", "listops", "--help"], env=env, capture_output=True, text=True)
+    lines = [ln for ln in (cli.stdout + cli.stderr).splitlines() if ln.strip()]
+    assert cli.returncode == 2 and len(lines) == 1, cli.stdout + cli.stderr
+    assert f"ATTNLAB_CHUNK_ELEMS must be a positive whole number of scores, got '{raw}'" in lines[0]
+    engine = subprocess.run(
+        [sys.executable, "-c", "import torch; from attnlab.mechanisms import _blocksparse as bs;"
+         " q = torch.zeros(1, 1, 512, 8); bs.blocked_attention(q, q, q, block=64, left=64,"
+         " width=192, pattern=lambda i, j: (i - j).abs() <= 64, extra=None, key_mask=None,"
+         " causal=False, scale=1.0, dropout=0.0)"], env=env, capture_output=True, text=True)
+    assert engine.returncode != 0 and "ValueError: ATTNLAB_CHUNK_ELEMS" in engine.stderr

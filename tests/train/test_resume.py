@@ -125,3 +125,28 @@ def test_mlm_resume_reproduces_the_uninterrupted_run(tmp_path):
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0)
     assert resumed["final_eval"] == pytest.approx(full["final_eval"], abs=1e-6)
+
+
+def test_resume_refuses_another_chunk_size(tmp_path, monkeypatch):
+    """A checkpoint records ATTNLAB_CHUNK_ELEMS (the sparse patterns' dropout masks are
+    drawn per chunk); resuming under another value is a one-line error naming the fix."""
+    from attnlab.config import ConfigError
+    from attnlab.mechanisms import _blocksparse as bs
+    from attnlab.train.checkpoint import STATE_FILE, TrainerState, check_chunking
+    from attnlab.train.loop import MetricsLog, start_state
+
+    class _Acc:  # what start_state uses of an Accelerator when nothing is to resume
+        is_main_process = True
+
+    log = MetricsLog(tmp_path / "metrics.jsonl", True)
+    fresh = start_state(_Acc(), tmp_path, log, False, 10)
+    assert fresh.chunk_elems == bs.CHUNK_ELEMS
+    ckpt = tmp_path / "step-00000001"
+    ckpt.mkdir()
+    (ckpt / STATE_FILE).write_text(json.dumps({"step": 1, "chunk_elems": 4096}))
+    monkeypatch.setattr(bs, "CHUNK_ELEMS", 8192)
+    with pytest.raises(ConfigError, match=r"ATTNLAB_CHUNK_ELEMS=4096, this process has 8192: "
+                                          r"set ATTNLAB_CHUNK_ELEMS=4096"):
+        check_chunking(TrainerState(step=1, chunk_elems=4096), ckpt)
+    check_chunking(TrainerState(step=1, chunk_elems=8192), ckpt)  # same value: fine
+    check_chunking(TrainerState(step=1), ckpt)  # older checkpoints without the field: fine

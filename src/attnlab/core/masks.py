@@ -6,6 +6,8 @@ turns one into the additive 0 / -inf bias that ``reference_attention`` takes.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -72,21 +74,66 @@ def seeded_generator(seed: int, layer_idx: int, n: int) -> torch.Generator:
     return torch.Generator().manual_seed(mixed)
 
 
+_DRAW_ROWS = 256  # rows of uniform draws at a time: no [n, m] float tensor is built
+
+
+@functools.lru_cache(maxsize=16)
+def random_keys(n: int, m: int, num_random: int, seed: int, layer_idx: int) -> torch.Tensor:
+    """[n, r] long (r = min(num_random, m)): the distinct keys drawn for each query, the r
+    largest of m uniform draws seeded by (seed, layer_idx, n). Drawn a few rows at a time
+    (the generator gives the same numbers as one [n, m] draw). Cached: do not modify."""
+    r, g = min(num_random, m), seeded_generator(seed, layer_idx, n)
+    parts = [torch.rand(min(_DRAW_ROWS, n - r0), m, generator=g).topk(r, dim=-1).indices
+             for r0 in range(0, n, _DRAW_ROWS)] if r > 0 else []
+    return torch.cat(parts) if parts else torch.empty(n, 0, dtype=torch.long)
+
+
 def random_pattern(n: int, m: int, num_random: int, seed: int, layer_idx: int) -> torch.Tensor:
     """[n, m] bool: j == i, or j among ``num_random`` distinct keys drawn for query i."""
     i, j = positions(n, m)
-    allowed = i == j
-    r = min(num_random, m)
-    if r > 0:
-        draws = torch.rand(n, m, generator=seeded_generator(seed, layer_idx, n)).topk(r, dim=-1)
-        allowed = allowed.scatter(1, draws.indices, True)
-    return allowed
+    return (i == j).scatter(1, random_keys(n, m, num_random, seed, layer_idx), True)
 
 
 def star_pattern(n: int, m: int, relay: int) -> torch.Tensor:
     """[n, m] bool: |i - j| <= 1 or i == relay or j == relay."""
     i, j = positions(n, m)
     return ((i - j).abs() <= 1) | (i == relay) | (j == relay)
+
+
+# ---- the same patterns as key lists per query (n == m): idx [n, K] valid positions and
+# ok [n, K] bool (False: a slot that is no key, out of range or a repeat). For
+# ``mechanisms._gathered``, which scores K keys per query instead of n.
+
+
+def random_key_list(n: int, num_random: int, seed: int, layer_idx: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``random_pattern`` as keys: the query itself, then its draws (a draw of i repeats)."""
+    own = torch.arange(n)[:, None]
+    drawn = random_keys(n, n, num_random, seed, layer_idx)  # [n, r]
+    idx = torch.cat([own, drawn], dim=1)
+    return idx, torch.cat([torch.ones_like(own, dtype=torch.bool), drawn != own], dim=1)
+
+
+def strided_key_list(n: int, stride: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``strided_pattern`` as keys: |i - j| < l, then j = i + t l for every |t| >= 1."""
+    t = torch.arange(1, -(-n // stride) + 1) * stride
+    off = torch.cat([torch.arange(-stride + 1, stride), t, -t])  # [K]
+    j = torch.arange(n)[:, None] + off  # [n, K]
+    ok = (j >= 0) & (j < n)
+    return j.clamp(0, n - 1), ok
+
+
+def fixed_key_list(n: int, stride: int, summary: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fixed_pattern`` as keys: the query's own block of l, then the last c positions of
+    every other block."""
+    i = torch.arange(n)[:, None]
+    own = (i // stride) * stride + torch.arange(stride)  # [n, l]
+    cols = torch.arange(n)
+    cols = cols[cols.remainder(stride) >= stride - summary]  # [S] summary positions
+    other = cols[None, :].expand(n, -1)  # [n, S]
+    idx = torch.cat([own.clamp(max=n - 1), other], dim=1)
+    ok = torch.cat([own < n, other // stride != i // stride], dim=1)
+    return idx, ok
 
 
 def strided_pattern(n: int, m: int, stride: int) -> torch.Tensor:

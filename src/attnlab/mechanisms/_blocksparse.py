@@ -56,10 +56,26 @@ DEFAULT_BLOCK = 64
 # there, in an earlier uncommitted comparison).
 # ATTNLAB_CHUNK_ELEMS overrides it for the process (read once, at import: the forward and
 # its backward must chunk alike, since the dropout masks are drawn per chunk).
-CHUNK_ELEMS = int(os.environ.get("ATTNLAB_CHUNK_ELEMS", 1 << 20))
-if CHUNK_ELEMS < 1:
-    raise ValueError(f"ATTNLAB_CHUNK_ELEMS must be a positive number of scores, got "
-                     f"{CHUNK_ELEMS}; unset it for the default {1 << 20}")
+def _chunk_elems(raw: str | None, default: int = 1 << 20) -> int:
+    """ATTNLAB_CHUNK_ELEMS as a positive number of scores (``default`` when unset)."""
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"ATTNLAB_CHUNK_ELEMS must be a positive whole number of scores, got "
+                         f"{raw!r}; unset it for the default {default}")
+    return value
+
+
+# a bad value must not break ``import attnlab``: it is reported by the CLI (one line) and
+# by the engine's first call
+try:
+    CHUNK_ELEMS, CHUNK_ENV_ERROR = _chunk_elems(os.environ.get("ATTNLAB_CHUNK_ELEMS")), None
+except ValueError as e:
+    CHUNK_ELEMS, CHUNK_ENV_ERROR = 1 << 20, str(e)
 
 Pattern = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -560,6 +576,8 @@ def blocked_attention(
     that attend every key (global queries; causal and padding still apply), computed
     densely in O(G*n*d). Rows with no allowed key -> 0.
     """
+    if CHUNK_ENV_ERROR:
+        raise ValueError(CHUNK_ENV_ERROR)
     b, h, n, d = q.shape
     if k.shape[2] != n:
         raise ValueError(f"blocked attention needs n == m (got {n} and {k.shape[2]})")

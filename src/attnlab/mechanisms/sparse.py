@@ -8,8 +8,10 @@ positions also when n != m) and exposes
 
 Paths. Band-like patterns (band, dilated, block_local, longformer, star, global_tokens,
 bigbird) run on the blocked engine (``_blocksparse``) from ``DENSE_FALLBACK_MAX_LEN`` keys
-on: it never builds n x m and trains on CPU. ``random`` and ``sparse_transformer`` use the
-dense masked path (O(n*m) time and memory). ``ctx.need_weights`` (capture) and short
+on: it never builds n x m and trains on CPU. ``random`` and ``sparse_transformer``, whose
+keys differ from query to query, run from the same length on as lists of K keys per query
+on the gathered engine (``_gathered``: O(n*K) time and memory). ``ctx.need_weights``
+(capture) and short
 inputs always take the dense path, which is the reference itself. On CUDA, without dropout
 and from the same length on, every pattern runs on FlexAttention (``_flex``; block-sparse
 kernels, cached masks).
@@ -42,16 +44,19 @@ from ..core.masks import (
     block_layout_to_pattern,
     block_local_pattern,
     dilated_pattern,
+    fixed_key_list,
     fixed_pattern,
     global_pattern,
     positions,
+    random_key_list,
     random_pattern,
     star_pattern,
+    strided_key_list,
     strided_pattern,
 )
 from . import _blockpatterns as bp
 from . import _blocksparse as bs
-from . import _flex
+from . import _flex, _gathered
 
 FAMILY = "sparse"
 SURVEY = "Lin et al. 2021 (survey §3.1.1)"
@@ -102,6 +107,24 @@ def _run(mech: _Pattern, q, k, v, ctx: AttnContext, fast: FastPath | None) -> At
         dropout=p, training=mech.training,
     )
     return AttnOutput(out, probs if ctx.need_weights else None)
+
+
+def _key_list_path(keys: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]) -> FastPath:
+    """A fast path over per-query key lists: ``keys(n, layer_idx)`` -> (idx [n,K],
+    ok [n,K]), the pattern's keys of each query (``core.masks``' ``*_key_list``), run on
+    ``_gathered`` with the causal rule and the key mask added here."""
+
+    def fast(q, k, v, ctx: AttnContext, scale: float, p: float) -> torch.Tensor:
+        n = q.shape[2]
+        idx, ok = (t.to(q.device) for t in keys(n, ctx.layer_idx))  # [n,K]
+        if ctx.causal:
+            ok = ok & (idx <= torch.arange(n, device=q.device)[:, None])
+        allowed = ok[None, None]  # [1,1,n,K]
+        if ctx.key_mask is not None:
+            allowed = allowed & ctx.key_mask.to(device=q.device, dtype=torch.bool)[:, idx][:, None]
+        return _gathered.gathered_attention(q, k, v, idx, allowed, scale=scale, dropout=p)
+
+    return fast
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -305,26 +328,29 @@ class Random(nn.Module):
     Paper: atomic "random attention" in Lin et al., "A Survey of Transformers", 2021 (as in
     BigBird, Zaheer et al., NeurIPS 2020). Formula: softmax over j == i or j in R_i, with
     R_i r distinct keys drawn per query by a generator seeded by (seed, layer_idx, n): the
-    same pattern in train and eval and across calls. Complexity: dense masked path,
-    O(n*m) time and memory (the sparsity is not exploited).
+    same pattern in train and eval and across calls. Complexity: O(n*r) time and memory
+    (the r + 1 keys of each query on the gathered engine, from ``DENSE_FALLBACK_MAX_LEN``
+    keys on; the dense masked reference below it).
     """
 
     example: ClassVar[str] = "random(num_random=3, seed=1)"
     caps: ClassVar[Capabilities] = Capabilities(
         family=FAMILY, paper=SURVEY, exact=True, keys_are_tokens=True,
-        complexity="O(n*m) (dense masked)"
+        complexity="O(n*r)"
     )
 
     def __init__(self, cfg: RandomConfig, dims: HeadDims) -> None:
         super().__init__()
         self.cfg, self.dims = cfg, dims
+        self._fast = _key_list_path(
+            lambda n, layer: random_key_list(n, cfg.num_random, cfg.seed, layer))
 
     def bias(self, n: int, m: int, layer_idx: int = 0) -> torch.Tensor:
         pat = random_pattern(n, m, self.cfg.num_random, self.cfg.seed, layer_idx)
         return pattern_bias(pat)[None]
 
     def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
-        return _run(self, q, k, v, ctx, None)
+        return _run(self, q, k, v, ctx, self._fast)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -513,8 +539,10 @@ class SparseTransformer(nn.Module):
 
     Paper: Child, Gray, Radford, Sutskever, "Generating Long Sequences with Sparse
     Transformers", arXiv 2019. Formula: strided |i - j| < l or (i - j) % l == 0; fixed
-    i // l == j // l or j % l >= l - c. Complexity: dense masked path, O(n*m) time and
-    memory (the paper's kernels reach O(n*sqrt(n))). Deviation: the two factorized
+    i // l == j // l or j % l >= l - c. Complexity: O(n*(l + n/l)) time and memory, the
+    keys of each query on the gathered engine from ``DENSE_FALLBACK_MAX_LEN`` keys on
+    (O(n*sqrt(n)) at l ~ sqrt(n), as the paper's kernels); the dense masked reference below
+    it. Deviation: the two factorized
     patterns are merged into one head (the paper's "merged" variant) and are bidirectional
     unless ``ctx.causal``.
     """
@@ -522,12 +550,15 @@ class SparseTransformer(nn.Module):
     example: ClassVar[str] = "sparse_transformer(mode='strided', stride=4)"
     caps: ClassVar[Capabilities] = Capabilities(
         family=FAMILY, paper="Child et al. 2019", exact=True, keys_are_tokens=True,
-        complexity="O(n*m) (dense masked)"
+        complexity="O(n*(l+n/l))"
     )
 
     def __init__(self, cfg: SparseTransformerConfig, dims: HeadDims) -> None:
         super().__init__()
         self.cfg, self.dims = cfg, dims
+        self._fast = _key_list_path(
+            (lambda n, _: strided_key_list(n, cfg.stride)) if cfg.mode == "strided"
+            else (lambda n, _: fixed_key_list(n, cfg.stride, cfg.summary)))
 
     def bias(self, n: int, m: int, layer_idx: int = 0) -> torch.Tensor:
         c = self.cfg
@@ -536,4 +567,4 @@ class SparseTransformer(nn.Module):
         return pattern_bias(fixed_pattern(n, m, c.stride, c.summary))[None]
 
     def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
-        return _run(self, q, k, v, ctx, None)
+        return _run(self, q, k, v, ctx, self._fast)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import shutil
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -49,8 +48,16 @@ from ..tlm.objective import (
     TlmObjective,
     encode_passages,
 )
-from ..train.checkpoint import TrainerState, list_checkpoints, load_checkpoint, save_checkpoint
-from ..train.loop import LoopParts, LoopSettings, MetricsLog, epoch_batches, fit, plan_steps
+from ..train.checkpoint import TrainerState, save_checkpoint
+from ..train.loop import (
+    LoopParts,
+    LoopSettings,
+    MetricsLog,
+    epoch_batches,
+    fit,
+    plan_steps,
+    start_state,
+)
 from ..train.memory import peak_rss_mb
 from ..train.optim import OptimSettings, build_optimizer
 from .finetune import degenerate_warning, make_evaluator, subset
@@ -244,7 +251,7 @@ def train_stage1(parts: Stage1Parts, settings: Stage1Settings, accelerator, run_
     accelerator.register_for_checkpointing(parts.scheduler)
     rank, world = accelerator.process_index, accelerator.num_processes
     log = MetricsLog(run_dir / "metrics.jsonl", accelerator.is_main_process)
-    state = _start(accelerator, run_dir, log, resume, settings.steps)
+    state = start_state(accelerator, run_dir, log, resume, settings.steps, what="stage 1 ")
     bs = settings.batch_size
     task = _Stream(len(parts.task_features), bs, settings.seed, rank, world)
     ext = (None if parts.external_features is None else
@@ -297,21 +304,6 @@ def train_stage1(parts: Stage1Parts, settings: Stage1Settings, accelerator, run_
     bar.close()
     accelerator.wait_for_everyone()
     return state
-
-
-def _start(accelerator, run_dir: Path, log: MetricsLog, resume: bool, total: int
-           ) -> TrainerState:
-    """The last checkpoint's state (``resume``), or a fresh one with the folder's old
-    metrics and checkpoints gone."""
-    if resume and (ckpts := list_checkpoints(run_dir)):
-        state = load_checkpoint(accelerator, ckpts[-1])
-        log.truncate_after(state.step)
-        accelerator.print(f"resumed stage 1 from {ckpts[-1]} (step {state.step}/{total})")
-        return state
-    if accelerator.is_main_process:
-        log.path.unlink(missing_ok=True)
-        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
-    return TrainerState()
 
 
 def _evaluate(parts: Stage1Parts, accelerator, model, state: TrainerState,

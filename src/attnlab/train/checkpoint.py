@@ -33,6 +33,9 @@ class TrainerState:
     evals_without_improvement: int = 0
     train_seconds: float = 0.0
     evals: list[dict[str, Any]] = field(default_factory=list)
+    # the blocked engine's chunk size (ATTNLAB_CHUNK_ELEMS): sparse patterns draw their
+    # attention-dropout masks per chunk, so a resumed run must chunk alike (None: not recorded)
+    chunk_elems: int | None = None
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
@@ -67,6 +70,29 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
 
 
 def load_checkpoint(accelerator, path: Path) -> TrainerState:
-    """Restore model/optimizer/scheduler/RNG from ``path``; return its trainer state."""
+    """Restore model/optimizer/scheduler/RNG from ``path``; return its trainer state.
+
+    Refuses (``ConfigError``) a checkpoint taken with another ``ATTNLAB_CHUNK_ELEMS``: the
+    run would go on with other dropout masks and not reach the uninterrupted result."""
+    state = TrainerState(**json.loads((path / STATE_FILE).read_text()))
+    check_chunking(state, path)
     accelerator.load_state(str(path))
-    return TrainerState(**json.loads((path / STATE_FILE).read_text()))
+    return state
+
+
+def current_chunk_elems() -> int:
+    from ..mechanisms import _blocksparse  # the one home of the setting
+
+    return _blocksparse.CHUNK_ELEMS
+
+
+def check_chunking(state: TrainerState, path: Path) -> None:
+    """A checkpoint resumes only under the chunk size it was trained with."""
+    now = current_chunk_elems()
+    if state.chunk_elems is not None and state.chunk_elems != now:
+        from ..config import ConfigError
+
+        raise ConfigError(
+            f"{path} was trained with ATTNLAB_CHUNK_ELEMS={state.chunk_elems}, this process "
+            f"has {now}: set ATTNLAB_CHUNK_ELEMS={state.chunk_elems} to resume to the same "
+            "result (sparse patterns draw their dropout masks per chunk)")

@@ -34,7 +34,13 @@ from tqdm.auto import tqdm
 from transformers.trainer_pt_utils import get_length_grouped_indices
 
 from ..io import append_jsonl, atomic_path, atomic_write, read_jsonl
-from .checkpoint import TrainerState, list_checkpoints, load_checkpoint, save_checkpoint
+from .checkpoint import (
+    TrainerState,
+    current_chunk_elems,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+)
 
 
 @dataclass(frozen=True)
@@ -174,7 +180,7 @@ def fit(parts: LoopParts, settings: LoopSettings, plan: StepPlan, accelerator,
     trainable = [p for p in model.parameters() if p.requires_grad]
     rank, world = accelerator.process_index, accelerator.num_processes
     log = MetricsLog(run_dir / "metrics.jsonl", accelerator.is_main_process)
-    state = _start(accelerator, run_dir, log, resume, plan.total)
+    state = start_state(accelerator, run_dir, log, resume, plan.total)
     bar = _progress_bar(settings.name, plan.total, state.step, accelerator)
     model.train()
     stop = _patience_spent(settings, state)  # a run that stopped early stays stopped on resume
@@ -258,21 +264,21 @@ def _micro_step(parts: LoopParts, model, accelerator, indices: list[int], n_acc:
     return loss.detach().float().item() / n_acc, aux
 
 
-def _start(accelerator, run_dir: Path, log: MetricsLog, resume: bool, total: int
-           ) -> TrainerState:
+def start_state(accelerator, run_dir: Path, log: MetricsLog, resume: bool, total: int,
+                what: str = "") -> TrainerState:
     """The state to start from: the last checkpoint (``resume``), or a fresh one, in which
-    case nothing of an older run in the folder survives."""
+    case nothing of an older run in the folder survives. ``what`` names the stage in the
+    resume message (e.g. "stage 1 ")."""
     if resume and (ckpts := list_checkpoints(run_dir)):
         state = load_checkpoint(accelerator, ckpts[-1])
         log.truncate_after(state.step)
-        accelerator.print(f"resumed from {ckpts[-1]} (step {state.step}/{total})")
+        accelerator.print(f"resumed {what}from {ckpts[-1]} (step {state.step}/{total})")
         return state
     if accelerator.is_main_process:
-        if log.path.exists():
-            log.path.unlink()
+        log.path.unlink(missing_ok=True)
         # an older run's checkpoints would be taken for this run's by a later --resume
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
-    return TrainerState()
+    return TrainerState(chunk_elems=current_chunk_elems())
 
 
 def _progress_bar(name: str, total: int, initial: int, accelerator):
