@@ -115,12 +115,14 @@ def random_key_list(n: int, num_random: int, seed: int, layer_idx: int
 
 
 def strided_key_list(n: int, stride: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``strided_pattern`` as keys: |i - j| < l, then j = i + t l for every |t| >= 1."""
-    t = torch.arange(1, -(-n // stride) + 1) * stride
-    off = torch.cat([torch.arange(-stride + 1, stride), t, -t])  # [K]
-    j = torch.arange(n)[:, None] + off  # [n, K]
-    ok = (j >= 0) & (j < n)
-    return j.clamp(0, n - 1), ok
+    """``strided_pattern`` as keys: |i - j| < l, then the other positions of i's residue
+    class mod l (j = i % l + t l; j = i is already among the near keys)."""
+    i = torch.arange(n)[:, None]
+    near = i + torch.arange(-stride + 1, stride)  # [n, 2l-1]
+    same = i.remainder(stride) + torch.arange(-(-n // stride)) * stride  # [n, ceil(n/l)]
+    idx = torch.cat([near, same], dim=1)
+    ok = torch.cat([(near >= 0) & (near < n), (same < n) & (same != i)], dim=1)
+    return idx.clamp(0, n - 1), ok
 
 
 def fixed_key_list(n: int, stride: int, summary: int) -> tuple[torch.Tensor, torch.Tensor]:
