@@ -177,17 +177,35 @@ def test_fast_threshold_is_above_test_length():
     assert not bs.use_blocked(N_FAST, N_FAST + 1, need_weights=False)
 
 
-@pytest.mark.parametrize("spec", FAST)
+# per-query key lists (random, sparse_transformer): the gathered engine
+KEY_LISTS = [
+    "random(num_random=5, seed=3)",
+    "random(num_random=0)",
+    "sparse_transformer(mode='strided', stride=7)",
+    "sparse_transformer(mode='strided', stride=64)",
+    "sparse_transformer(mode='fixed', stride=8, summary=2)",
+    "sparse_transformer(mode='fixed', stride=64, summary=1)",
+]
+
+
+@pytest.mark.parametrize("spec", FAST + KEY_LISTS)
 @pytest.mark.parametrize("causal", [False, True])
 def test_blocked_path_matches_reference(spec, causal):
+    """The fast path (the blocked engine; the gathered one for per-query key lists) equals
+    autograd through the dense masked reference to 1e-5 (fp32), outputs and gradients,
+    with padding, a fully masked sequence and the causal rule, and it ran."""
+    from attnlab.mechanisms import _gathered, sparse
+
     mech = build(spec)
     q, k, v = _qkv(N_FAST, seed=len(spec))
     lengths = torch.tensor([N_FAST, 170, 0])  # full, padded, fully masked
     key_mask = torch.arange(N_FAST)[None, :] < lengths[:, None]
     c = attnlab.AttnContext(key_mask=key_mask, causal=causal, layer_idx=2)
-    with mock.patch.object(bs, "blocked_attention", wraps=bs.blocked_attention) as spy:
+    engine = ((sparse._gathered, "gathered_attention", _gathered.gathered_attention)
+              if spec in KEY_LISTS else (bs, "blocked_attention", bs.blocked_attention))
+    with mock.patch.object(engine[0], engine[1], wraps=engine[2]) as spy:
         out = mech(q, k, v, c).out
-    assert spy.called, "the blocked path did not run"
+    assert spy.called, f"the {engine[1]} path did not run"
     bias = mech.bias(N_FAST, N_FAST, layer_idx=2)
     ref, _ = attnlab.reference_attention(q, k, v, bias=bias, key_mask=key_mask, causal=causal)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
@@ -553,44 +571,7 @@ def test_keys_without_padded_copy_match_reference(spec, layout, b, chunk, form, 
         assert strided_queries[2] == (form == "strided")
 
 
-# ------------------------------------------- per-query key lists (random, sparse_transformer)
-
-KEY_LISTS = [
-    "random(num_random=5, seed=3)",
-    "random(num_random=0)",
-    "sparse_transformer(mode='strided', stride=7)",
-    "sparse_transformer(mode='strided', stride=64)",
-    "sparse_transformer(mode='fixed', stride=8, summary=2)",
-    "sparse_transformer(mode='fixed', stride=64, summary=1)",
-]
-
-
-@pytest.mark.parametrize("spec", KEY_LISTS)
-@pytest.mark.parametrize("causal", [False, True])
-def test_key_list_path_matches_reference(spec, causal):
-    """random and sparse_transformer on the gathered engine: outputs and gradients equal
-    autograd through the dense masked reference to 1e-5 (fp32), with padding, a fully
-    masked sequence and the causal rule; the engine ran, and the pattern is the bias's."""
-    from attnlab.mechanisms import _gathered, sparse
-
-    mech = build(spec)
-    q, k, v = _qkv(N_FAST, seed=len(spec))
-    lengths = torch.tensor([N_FAST, 170, 0])  # full, padded, fully masked
-    key_mask = torch.arange(N_FAST)[None, :] < lengths[:, None]
-    c = attnlab.AttnContext(key_mask=key_mask, causal=causal, layer_idx=2)
-    with mock.patch.object(sparse._gathered, "gathered_attention",
-                           wraps=_gathered.gathered_attention) as spy:
-        out = mech(q, k, v, c).out
-    assert spy.called, "the gathered path did not run"
-    bias = mech.bias(N_FAST, N_FAST, layer_idx=2)
-    ref, _ = attnlab.reference_attention(q, k, v, bias=bias, key_mask=key_mask, causal=causal)
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-    assert (out[2] == 0).all()
-    g = torch.randn_like(out)
-    grads = torch.autograd.grad(out, (q, k, v), g)
-    grads_ref = torch.autograd.grad(ref, (q, k, v), g)
-    for a, r in zip(grads, grads_ref, strict=True):
-        torch.testing.assert_close(a, r, atol=1e-5, rtol=1e-5)
+# ------------------------------------------------------------- key lists are the patterns
 
 
 @pytest.mark.parametrize("n", [300, 1000])
