@@ -44,10 +44,10 @@ def _options(
         "--debug", help="Show the full traceback of an error instead of one line.")] = False,
 ) -> None:
     _DEBUG["on"] = debug
-    from .mechanisms._blocksparse import CHUNK_ENV_ERROR  # read once, at import
+    from .mechanisms import chunk_elems_error  # ATTNLAB_CHUNK_ELEMS, read at import
 
-    if CHUNK_ENV_ERROR:
-        _fail(CHUNK_ENV_ERROR)
+    if (problem := chunk_elems_error()) is not None:
+        _fail(problem)
 
 
 def _fail(message: str) -> None:

@@ -108,7 +108,8 @@ def test_a_failing_mechanism_is_reported_not_fatal(tmp_path):
 def test_helpers():
     assert fit_exponent([(1000, 1.0), (2000, 4.0), (4000, 16.0)]) == pytest.approx(2.0)
     assert fit_exponent([(1000, 1.0)]) is None
-    assert is_quadratic("softmax") and is_quadratic("sparse_transformer")
+    assert is_quadratic("softmax") and is_quadratic("synthesizer")
+    assert not is_quadratic("sparse_transformer") and not is_quadratic("random")
     assert not is_quadratic("band(window=8)") and not is_quadratic("performer")
 
 

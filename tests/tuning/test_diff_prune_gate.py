@@ -9,9 +9,9 @@ from attnlab.tuning.diff_prune import (
     DiffParametrization,
     DiffPruneConfig,
     _NoisyDiff,
-    _reference_noisy_diff,
     diff_modules,
     logistic_noise,
+    reference_noisy_diff,
 )
 
 CONSTS = [(2.0 / 3.0, -0.1, 1.1), (1.0, -1.5, 1.5)]  # the brief's and the official scripts'
@@ -31,7 +31,7 @@ def test_fused_gate_equals_reference(beta, gamma, zeta, dtype, tol):
     grad = torch.randn(shape, generator=g, dtype=dtype)
 
     outs, grads = [], []
-    for fn in (_NoisyDiff.apply, _reference_noisy_diff):
+    for fn in (_NoisyDiff.apply, reference_noisy_diff):
         w_, la_ = w.clone().requires_grad_(), log_alpha.clone().requires_grad_()
         out = fn(theta0, w_, la_, noise.clone(), beta, gamma, zeta)
         out.backward(grad)
@@ -58,7 +58,7 @@ def test_parametrization_uses_the_fused_gate_with_the_same_noise():
     torch.manual_seed(3)
     got = p(theta0)
     torch.manual_seed(3)
-    want = _reference_noisy_diff(theta0, p.w, p.log_alpha, logistic_noise(p.log_alpha),
+    want = reference_noisy_diff(theta0, p.w, p.log_alpha, logistic_noise(p.log_alpha),
                                  cfg.beta, cfg.gamma, cfg.zeta)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
     p.eval()  # deterministic gate: sigmoid(log_alpha) stretched and clamped

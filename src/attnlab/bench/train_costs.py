@@ -55,7 +55,7 @@ def adamw_table(repeats: int) -> str:
 
 def gate_table(repeats: int) -> str:
     """Diff-Prune's training-time gate on the word-embedding shape, forward + backward."""
-    from ..tuning.diff_prune import _NoisyDiff, _reference_noisy_diff, logistic_noise
+    from ..tuning.diff_prune import logistic_noise, noisy_diff, reference_noisy_diff
 
     shape = (30522, 384)
     theta0, grad = torch.randn(shape), torch.randn(shape)
@@ -64,16 +64,16 @@ def gate_table(repeats: int) -> str:
     args = (2 / 3, -0.1, 1.1)
 
     def ref() -> None:
-        _reference_noisy_diff(theta0, w, log_alpha, logistic_noise(log_alpha),
+        reference_noisy_diff(theta0, w, log_alpha, logistic_noise(log_alpha),
                               *args).backward(grad)
 
     def fused() -> None:
-        _NoisyDiff.apply(theta0, w, log_alpha, logistic_noise(log_alpha), *args).backward(grad)
+        noisy_diff(theta0, w, log_alpha, logistic_noise(log_alpha), *args).backward(grad)
 
     t_ref, t_fused = _mean_seconds(ref, repeats), _mean_seconds(fused, repeats)
     return ("Diff-Prune's gate on one 30522 x 384 tensor, forward + backward, mean of "
             f"{repeats}:\n\n| form | s |\n|---|---:|\n| autograd reference "
-            f"(`_reference_noisy_diff`) | {t_ref:.3f} |\n| fused Function (`_NoisyDiff`) | "
+            f"(`reference_noisy_diff`) | {t_ref:.3f} |\n| fused Function (`noisy_diff`) | "
             f"{t_fused:.3f} |\n\nFused / reference: {t_ref / t_fused:.2f}x faster.\n")
 
 

@@ -81,9 +81,9 @@ def load_checkpoint(accelerator, path: Path) -> TrainerState:
 
 
 def current_chunk_elems() -> int:
-    from ..mechanisms import _blocksparse  # the one home of the setting
+    from ..mechanisms import chunk_elems  # the one home of the setting
 
-    return _blocksparse.CHUNK_ELEMS
+    return chunk_elems()
 
 
 def check_chunking(state: TrainerState, path: Path) -> None:

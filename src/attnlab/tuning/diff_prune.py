@@ -101,7 +101,7 @@ class _NoisyDiff(torch.autograd.Function):
 
     The training-time gate touches every backbone entry twice per step; written as separate
     autograd ops it took about two thirds of a CPU step (profiled); fused, 1.8x faster
-    (``python -m attnlab.bench.train_costs``, docs/benchmarks.md). ``_reference_noisy_diff``
+    (``python -m attnlab.bench.train_costs``, docs/benchmarks.md). ``reference_noisy_diff``
     is the plain autograd form it is tested against (forward and gradients, fp32 1e-6)."""
 
     @staticmethod
@@ -127,7 +127,12 @@ class _NoisyDiff(torch.autograd.Function):
         return grad_theta0, grad_w, grad_la, None, None, None, None
 
 
-def _reference_noisy_diff(theta0, w, log_alpha, noise, beta, gamma, zeta):
+def noisy_diff(theta0, w, log_alpha, noise, beta, gamma, zeta):
+    """theta0 + w * the hard-concrete gate sampled with ``noise`` (fused: ``_NoisyDiff``)."""
+    return _NoisyDiff.apply(theta0, w, log_alpha, noise, beta, gamma, zeta)
+
+
+def reference_noisy_diff(theta0, w, log_alpha, noise, beta, gamma, zeta):
     """The training-time gate as plain autograd ops (the reference for ``_NoisyDiff``)."""
     s = torch.sigmoid((noise + log_alpha) / beta)
     return theta0 + (s * (zeta - gamma) + gamma).clamp(0.0, 1.0) * w
@@ -162,7 +167,7 @@ class DiffParametrization(nn.Module):
     def forward(self, theta0: torch.Tensor) -> torch.Tensor:
         if self.training and not self.fixed:
             noise = logistic_noise(self.log_alpha)
-            return _NoisyDiff.apply(theta0, self.w, self.log_alpha, noise, self.beta,
+            return noisy_diff(theta0, self.w, self.log_alpha, noise, self.beta,
                                     self.gamma, self.zeta)
         return theta0 + self.gate() * self.w
 
