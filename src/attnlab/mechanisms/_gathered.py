@@ -6,8 +6,10 @@ keeps them for the backward: at n = 8192, K = 69, h = 12 that is 1.7 GB per tens
 Here queries run in chunks of rows, the gathers of one chunk stay small (``CHUNK_BYTES``),
 and the backward (``_GatheredAttention``) recomputes them chunk by chunk from q, keys,
 values, the output and the row log-sum-exp (flash-attention style), adding the key and
-value gradients into one buffer with ``index_add_``. Used by ``bp_tree``; tested against
-autograd through the gathered computation (tests/mechanisms/test_gathered.py).
+value gradients into one buffer with ``index_add_``. Used by ``bp_tree`` and by the sparse
+patterns whose keys differ per query (``random``, ``sparse_transformer``: ``sparse.py``);
+tested against autograd through the gathered computation (tests/mechanisms/test_gathered.py)
+and, through those patterns, against the dense reference (tests/mechanisms/test_sparse.py).
 """
 
 from __future__ import annotations
