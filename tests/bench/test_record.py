@@ -100,7 +100,7 @@ def test_cuda_section_is_kept_without_gpu(tmp_path):
     ([], "no sections"),
 ])
 def test_manifest_errors(tmp_path, sections, message):
-    with pytest.raises(RecordError, match=r".*") as e:
+    with pytest.raises(RecordError) as e:
         load_manifest(_manifest(tmp_path, sections))
     assert message in str(e.value)
 

@@ -133,14 +133,6 @@ def _argv(section: Section, out: Path) -> list[str]:
     return argv
 
 
-def _git(*args: str) -> str:
-    try:
-        return subprocess.run(["git", *args], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return ""
-
-
 def _cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -149,18 +141,6 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
-
-
-def _versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {"python": platform.python_version()}
-    for pkg in ("torch", "transformers", "attnlab"):
-        try:
-            out[pkg] = version(pkg)
-        except PackageNotFoundError:
-            pass
-    return out
 
 
 def run_section(section: Section, bench_dir: Path, cpu: int | None = None,
@@ -188,13 +168,14 @@ def run_section(section: Section, bench_dir: Path, cpu: int | None = None,
     if not (partial / section.table).is_file():
         raise RecordError(f"[{section.id}] the command wrote no {section.table} in {partial}: "
                           "fix the section's 'table' in the manifest")
-    commit = _git("rev-parse", "--short", "HEAD")
+    from ..recipes.rundir import git_commit, versions  # what a run's summary.json records
+
+    commit = git_commit() or "unknown (not a git checkout)"
     record = {
         "id": section.id,
         "command": shown_command(section, bench_dir),
-        "commit": commit + (" with uncommitted changes" if _git("status", "--porcelain",
-                                                                "--untracked-files=no")
-                            else ""),
+        "commit": commit[:7] + (" with uncommitted changes" if commit.endswith("-dirty")
+                                else ""),
         "started": time.strftime("%Y-%m-%d %H:%M UTC", started),
         "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "wall_s": round(time.perf_counter() - t0, 1),
@@ -202,7 +183,7 @@ def run_section(section: Section, bench_dir: Path, cpu: int | None = None,
                    f"{platform.machine()}",
         "pinned_cpu": cpu,
         "loadavg": [round(load0[0], 2), round(os.getloadavg()[0], 2)],
-        "versions": _versions(),
+        "versions": {k: v for k, v in versions().items() if v is not None},
     }
     write_json(partial / "record.json", record)
     if final.exists():
@@ -255,21 +236,14 @@ def _anchor(title: str) -> str:
     return keep.replace(" ", "-")
 
 
-def _has_cuda() -> bool:
-    try:
-        import torch
-
-        return bool(torch.cuda.is_available())
-    except ImportError:  # pragma: no cover - torch is a dependency
-        return False
-
-
 def record(manifest: str | os.PathLike = MANIFEST, output: str | os.PathLike = OUTPUT,
            only: Sequence[str] | None = None, rerun: bool = False, render_only: bool = False,
            cpu: int | None = None, notify: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the sections that need it, then write ``output``. Returns what ran, what was
     kept and what failed; a failed section keeps its previous result and the others go on.
     """
+    import torch
+
     manifest = Path(manifest)
     preamble, sections = load_manifest(manifest)
     chosen = select(sections, only)
@@ -281,7 +255,7 @@ def record(manifest: str | os.PathLike = MANIFEST, output: str | os.PathLike = O
     if not render_only:
         for s in chosen:
             done = (bench_dir / s.id / "record.json").is_file()
-            if (done and not rerun) or (s.device == "cuda" and not _has_cuda()):
+            if (done and not rerun) or (s.device == "cuda" and not torch.cuda.is_available()):
                 kept.append(s.id)
                 continue
             try:

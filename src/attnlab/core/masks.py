@@ -102,9 +102,11 @@ def star_pattern(n: int, m: int, relay: int) -> torch.Tensor:
 
 # ---- the same patterns as key lists per query (n == m): idx [n, K] valid positions and
 # ok [n, K] bool (False: a slot that is no key, out of range or a repeat). For
-# ``mechanisms._gathered``, which scores K keys per query instead of n.
+# ``mechanisms._gathered``, which scores K keys per query instead of n. Cached per shape (a
+# layer calls them on every forward): the tensors are shared, do not modify them.
 
 
+@functools.lru_cache(maxsize=16)
 def random_key_list(n: int, num_random: int, seed: int, layer_idx: int
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """``random_pattern`` as keys: the query itself, then its draws (a draw of i repeats)."""
@@ -114,6 +116,7 @@ def random_key_list(n: int, num_random: int, seed: int, layer_idx: int
     return idx, torch.cat([torch.ones_like(own, dtype=torch.bool), drawn != own], dim=1)
 
 
+@functools.lru_cache(maxsize=16)
 def strided_key_list(n: int, stride: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``strided_pattern`` as keys: |i - j| < l, then the other positions of i's residue
     class mod l (j = i % l + t l; j = i is already among the near keys)."""
@@ -125,6 +128,7 @@ def strided_key_list(n: int, stride: int) -> tuple[torch.Tensor, torch.Tensor]:
     return idx.clamp(0, n - 1), ok
 
 
+@functools.lru_cache(maxsize=16)
 def fixed_key_list(n: int, stride: int, summary: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``fixed_pattern`` as keys: the query's own block of l, then the last c positions of
     every other block."""
