@@ -440,15 +440,23 @@ def bench_speed(
     dense_max_n: Annotated[int, typer.Option(
         help="Largest n for quadratic mechanisms (their n x n scores).")] = 4096,
     fit_from: Annotated[int, typer.Option(help="Fit exponents over n >= this.")] = 2048,
+    device: Annotated[str, typer.Option(
+        help="cpu, or cuda (one process, the allocator's peak; sparse patterns on "
+             "FlexAttention).")] = "cpu",
+    dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "float32",
 ) -> None:
     """Every mechanism vs dense SDPA: time, peak memory, fitted exponents, chart (resumable)."""
     from .bench.suite import run_suite
     from .core.spec import split_top
 
+    _check_device(device)
+    if dtype not in ("float32", "bfloat16"):
+        _fail(f"--dtype {dtype}: use float32 or bfloat16")
     names = [m.strip() for m in split_top(mechanisms, ",") if m.strip()] if mechanisms else None
     with _user_errors():
         results = run_suite(out, names, tuple(int(x) for x in n.split(",")), repeats=repeats,
-                            threads=threads, dense_max_n=dense_max_n, fit_from=fit_from)
+                            threads=threads, dense_max_n=dense_max_n, fit_from=fit_from,
+                            device=device, dtype=dtype)
     from .bench.suite import format_table
 
     console.print(format_table(results), markup=False)

@@ -148,3 +148,23 @@ def test_repository_markdown_is_what_the_record_renders():
     preamble, sections = load_manifest(bench / "record.yaml")
     expected = render(preamble, sections, bench, REPO / "docs", root=REPO)
     assert (REPO / "docs" / "benchmarks.md").read_text(encoding="utf-8") == expected
+
+
+def test_attnlab_runs_as_a_module_without_its_console_script(tmp_path, monkeypatch):
+    from attnlab.bench import record as rec
+
+    monkeypatch.setattr(rec.sys, "executable", str(tmp_path / "python3"))
+    monkeypatch.setattr(rec.shutil, "which", lambda name: None)
+    s = rec.Section(id="x", title="x", text="", command="attnlab bench speed --out {out}")
+    assert rec._argv(s, tmp_path) == [str(tmp_path / "python3"), "-m", "attnlab", "bench",
+                                      "speed", "--out", str(tmp_path)]
+
+
+def test_a_tree_without_git_takes_its_commit_from_the_environment(monkeypatch):
+    from attnlab.recipes import rundir
+
+    monkeypatch.setattr(rundir.Path, "exists", lambda self: False)
+    monkeypatch.setenv("ATTNLAB_GIT_COMMIT", "abc1234")
+    assert rundir.git_commit() == "abc1234"
+    monkeypatch.delenv("ATTNLAB_GIT_COMMIT")
+    assert rundir.git_commit() is None

@@ -70,7 +70,7 @@ def test_forward_only_peer_and_peers_table(tmp_path):
     assert "fwdbwd_speedup" not in flex
     assert res["exponents"]["flex_band(window=128)"] == pytest.approx(0.0)  # from fwd times
     table = (tmp_path / "table.md").read_text()
-    assert "| fwd 1 (10.00x) | fwd 1 (10.00x) |" in table and "'fwd': forward only" in table
+    assert "| fwd 1.00 (10.00x) | fwd 1.00 (10.00x) |" in table and "'fwd': forward only" in table
     # peer / ours at the same n: flex forward 1 vs band 2 ms; HF 3 vs 2 ms, 6 vs 4 ms fwd+bwd
     assert "| `flex_band(window=128)` | `band(window=128)` | 4096 | 0.50x | n/a | 0.50x (fwd) |" \
         in table
@@ -118,3 +118,37 @@ def test_cli_runs_a_tiny_table(tmp_path):
                                    "--n", "128", "--repeats", "1", "--out", str(tmp_path)])
     assert res.exit_code == 0, res.output
     assert "`linear_relu`" in res.output and (tmp_path / "rows.jsonl").is_file()
+
+
+def test_device_and_dtype_reach_the_measurement_and_key_the_rows(tmp_path):
+    seen = []
+
+    def measure(method, n, **kw):
+        seen.append((kw["device"], kw["dtype"]))
+        return fake([])(method, n)
+
+    run_suite(tmp_path, ["band"], (512,), progress=False, measure=measure, device="cuda",
+              dtype="bfloat16")
+    assert seen == [("cuda", "bfloat16")] * 2
+    again = []  # a CPU fp32 run in the same folder does not reuse the GPU rows
+    run_suite(tmp_path, ["band"], (512,), progress=False, measure=fake(again))
+    assert len(again) == 2
+
+
+def test_cuda_measurements_run_in_this_process(monkeypatch):
+    from attnlab.bench import speed
+
+    calls = []
+    monkeypatch.setattr(speed, "measure", lambda **kw: calls.append(kw) or {"fwd_ms": 1.0})
+    monkeypatch.setattr(speed, "_measure_in_subprocess",
+                        lambda **kw: pytest.fail("CUDA must not start a subprocess"))
+    assert speed.measure_isolated(method="band", n=64, device="cuda") == {"fwd_ms": 1.0}
+    assert calls == [{"method": "band", "n": 64, "device": "cuda", "part": "both"}]
+
+
+def test_cli_refuses_a_bad_device_or_dtype(tmp_path):
+    for extra in (["--device", "tpu"], ["--dtype", "float16"]):
+        res = CliRunner().invoke(app, ["bench", "speed", "--mechanisms", "band", "--n", "128",
+                                       "--out", str(tmp_path), *extra])
+        assert res.exit_code != 0 and ("tpu" in res.output or "float16" in res.output)
+        assert "Traceback" not in res.output

@@ -127,7 +127,9 @@ def _argv(section: Section, out: Path) -> list[str]:
     argv = shlex.split(section.command.replace("{out}", str(out)))
     if argv[0] == "attnlab":  # the console script of this interpreter's environment
         script = Path(sys.executable).with_name("attnlab")
-        argv[0] = str(script) if script.exists() else (shutil.which("attnlab") or "attnlab")
+        found = str(script) if script.exists() else shutil.which("attnlab")
+        # a tree run without installing (PYTHONPATH=src): the same CLI as a module
+        argv[:1] = [found] if found else [sys.executable, "-m", "attnlab"]
     elif argv[0] in ("python", "python3"):
         argv[0] = sys.executable
     return argv
@@ -141,6 +143,15 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def _gpu(section: Section) -> str:
+    """", GPU: <name>" for a CUDA section (the device its numbers come from), else ""."""
+    import torch
+
+    if section.device != "cuda" or not torch.cuda.is_available():
+        return ""
+    return f", GPU: {torch.cuda.get_device_name(0)}"
 
 
 def run_section(section: Section, bench_dir: Path, cpu: int | None = None,
@@ -180,7 +191,7 @@ def run_section(section: Section, bench_dir: Path, cpu: int | None = None,
         "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "wall_s": round(time.perf_counter() - t0, 1),
         "machine": f"{os.cpu_count()} x {_cpu_model()}, {platform.system()} "
-                   f"{platform.machine()}",
+                   f"{platform.machine()}" + _gpu(section),
         "pinned_cpu": cpu,
         "loadavg": [round(load0[0], 2), round(os.getloadavg()[0], 2)],
         "versions": {k: v for k, v in versions().items() if v is not None},

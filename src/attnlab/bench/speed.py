@@ -2,7 +2,7 @@
 
 Method (why it is done this way):
 
-* Every (method, n) measurement runs in fresh Python subprocesses. PyTorch has no CPU
+* On CPU every (method, n) measurement runs in fresh Python subprocesses. PyTorch has no CPU
   allocator statistics, so peak memory is the process's resident-set high-water mark
   ``resource.getrusage(RUSAGE_SELF).ru_maxrss`` after the call minus the same value just
   before it (after creating the inputs and a warm-up on a tiny input that loads the
@@ -14,6 +14,10 @@ Method (why it is done this way):
   (loss = sum of outputs; gradients of q, k, v). Time, in a second subprocess with the
   default allocator: one warm-up call, then the median of ``repeats`` calls, for the
   forward (no grad) and for forward+backward.
+* On CUDA (``--device cuda``) every measurement runs in this one process: the peak is
+  ``torch.cuda.max_memory_allocated`` above what was allocated before the call, the clocks
+  wait for the GPU, the warm-up is at n itself, and compiled FlexAttention graphs (one per
+  length and grad mode) and cached block masks serve every method of the run.
 * Methods at one n run back to back and ratios compare them within one benchmark run:
   this machine is shared, absolute times drift between runs.
 
@@ -108,9 +112,11 @@ def measure(
 
     no_backward = forward_only(method, device)
     # warm-up: kernels, thread pools, allocator; BigBird needs several blocks; compiled
-    # FlexAttention compiles per shape, so its warm-up is at n itself (the peak mark is
-    # reset after it, see DevicePeak)
-    warm = n if is_flex(method) else min(n, 1024) if is_peer(method) else 64
+    # FlexAttention compiles per shape and caches its block mask per shape, so its warm-up
+    # (and every CUDA warm-up: the sparse patterns run on it there) is at n itself (the
+    # peak mark is reset after it, see DevicePeak)
+    warm = (n if is_flex(method) or peak.cuda else min(n, 1024) if is_peer(method)
+            else 64)
     small, small_run = make(warm), runner(warm)
     fwd(small_run, small)
     if not no_backward:
@@ -200,12 +206,26 @@ def _measure_in_subprocess(**kwargs: Any) -> dict[str, float]:
 
 
 def measure_isolated(**kwargs: Any) -> dict[str, float]:
-    """``measure`` in fresh subprocesses: on CPU one for the peak memory, then one for the
-    times; on CUDA one for both (the allocator's peak statistics need no fresh process)."""
+    """``measure`` in fresh subprocesses on CPU: one for the peak memory, then one for the
+    times. On CUDA in this process (the allocator's peak statistics need no fresh process,
+    and compiled FlexAttention kernels are then compiled once per shape for the whole run
+    instead of once per measurement)."""
     if str(kwargs.get("device", "cpu")).startswith("cuda"):
-        return _measure_in_subprocess(part="both", **kwargs)
+        _allow_recompiles()
+        return measure(part="both", **kwargs)
     mem = _measure_in_subprocess(part="memory", **kwargs)
     return {**_measure_in_subprocess(part="time", **kwargs), **mem}
+
+
+def _allow_recompiles(limit: int = 64) -> None:
+    """Let torch.compile keep one FlexAttention graph per (n, grad mode) of a whole run:
+    past dynamo's default recompile limit (8) it would fall back to eager FlexAttention,
+    which materialises the n x n scores."""
+    import torch._dynamo
+
+    for name in ("recompile_limit", "cache_size_limit"):
+        if getattr(torch._dynamo.config, name, limit) < limit:
+            setattr(torch._dynamo.config, name, limit)
 
 
 def run_child(module: str, kwargs: dict[str, Any], env: dict[str, str] | None = None

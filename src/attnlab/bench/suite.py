@@ -68,7 +68,8 @@ def is_quadratic(name: str) -> bool:
 
 def _key(row: dict[str, Any]) -> tuple:
     return (row["method"], row["n"], row["repeats"], row["threads"], row["heads"],
-            row["head_dim"], row["batch"], row.get("one_input", False))
+            row["head_dim"], row["batch"], row.get("one_input", False),
+            row.get("device", "cpu"), row.get("dtype", "float32"))
 
 
 def fit_exponent(points: Sequence[tuple[int, float]]) -> float | None:
@@ -92,6 +93,8 @@ def run_suite(
     heads: int = 12,
     head_dim: int = 64,
     batch: int = 1,
+    device: str = "cpu",
+    dtype: str = "float32",
     dense_max_n: int = 4096,
     fit_from: int = 2048,
     progress: bool = True,
@@ -99,7 +102,8 @@ def run_suite(
 ) -> dict[str, Any]:
     """Measure ``mechanisms`` (names or specs; default: every registered one, with
     ``bench_spec`` settings) and SDPA at each n; write the output folder; return the results
-    (``environment``, ``rows``, ``exponents``)."""
+    (``environment``, ``rows``, ``exponents``). ``device="cuda"`` measures on the GPU in
+    this process (the sparse patterns on FlexAttention), in ``dtype``."""
     measure = measure or measure_isolated
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -109,7 +113,8 @@ def run_suite(
     # with peers in the run every method is fed like them: one leaf x, q = k = v copies
     # (``bench.peers``), so the two sides compute and keep the same tensors
     common = dict(repeats=repeats, threads=threads, heads=heads, head_dim=head_dim,
-                  batch=batch, one_input=any(is_peer(s) for s in specs))
+                  batch=batch, one_input=any(is_peer(s) for s in specs), device=device,
+                  dtype=dtype)
     jobs = [(method, n) for n in ns for method in dict.fromkeys([SDPA, *specs])
             if not (is_quadratic(method) and n > dense_max_n)]
     log = out / "rows.jsonl"
@@ -216,6 +221,12 @@ def check_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def _ms(x: float) -> str:
+    """Milliseconds to three significant figures at most (GPU calls take well under 1 ms)."""
+    return f"{x:.0f}" if x >= 100 else f"{x:.1f}" if x >= 10 else f"{x:.2f}" if x >= 1 else (
+        f"{x:.3f}")
+
+
 def format_table(results: dict[str, Any]) -> str:
     """Markdown: forward+backward ms per n with the ratio to SDPA, peak MB at the largest
     n each method ran, and the fitted exponent."""
@@ -236,10 +247,10 @@ def format_table(results: dict[str, Any]) -> str:
                 cells.append("error")
             elif r.get("forward_only"):
                 ratio = f" ({r['fwd_speedup']:.2f}x)" if "fwd_speedup" in r else ""
-                cells.append(f"fwd {r['fwd_ms']:.0f}{ratio}")
+                cells.append(f"fwd {_ms(r['fwd_ms'])}{ratio}")
             else:
                 ratio = f" ({r['fwdbwd_speedup']:.2f}x)" if "fwdbwd_speedup" in r else ""
-                cells.append(f"{r['fwdbwd_ms']:.0f}{ratio}")
+                cells.append(f"{_ms(r['fwdbwd_ms'])}{ratio}")
         ran = [r for r in mine.values() if "error" not in r]
         last = max(ran, key=lambda r: r["n"]) if ran else None
         e = results["exponents"].get(method)

@@ -79,10 +79,13 @@ def versions() -> dict[str, str | None]:
 
 
 def git_commit() -> str | None:
-    """The commit of the checkout attnlab runs from (with ``-dirty`` if changed), else None."""
+    """The commit of the checkout attnlab runs from (with ``-dirty`` if changed), else None.
+
+    A copy of the tree without its ``.git`` (an exported tree on another machine) can name
+    its commit in ``ATTNLAB_GIT_COMMIT``; it is then reported as given."""
     src = Path(__file__).resolve().parents[3]  # <checkout>/src/attnlab/recipes/rundir.py
     if not (src / ".git").exists():
-        return None
+        return os.environ.get("ATTNLAB_GIT_COMMIT") or None
     try:
         head = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], text=True,
                               capture_output=True, timeout=10, check=True).stdout.strip()

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The checks and benchmarks that need a CUDA GPU, in one run of at most DEADLINE seconds
+# (default 540): the CUDA tests, then the GPU sections of docs/benchmarks.md, then one
+# short `bench lra --device cuda`. Each step gets what is left of the deadline, so a slow
+# step cannot starve the ones before it; a step cut off leaves its partial output.
+#
+#   bash scripts/gpu_checks.sh OUT_DIR      # from the repository root, on the GPU machine
+#
+# Runs from a tree without installing it (PYTHONPATH=src); a copy without .git names its
+# commit in ATTNLAB_GIT_COMMIT. Logs and results land in OUT_DIR (results.tgz holds the
+# recorded docs/bench/<id>/ folders, to be copied back before `bench record --render-only`).
+set -u
+out=${1:?usage: gpu_checks.sh OUT_DIR}
+mkdir -p "$out"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+end=$(( $(date +%s) + ${DEADLINE:-540} ))
+left() { local s=$(( end - $(date +%s) )); (( s > $1 )) && echo "$1" || echo $(( s > 5 ? s : 5 )); }
+py=$(command -v python3 || command -v python)
+
+{ nvidia-smi -L; "$py" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"; } 2>&1 | tee "$out/env.log"
+
+step() {  # step NAME MAX_SECONDS CMD...
+  local name=$1 max=$2; shift 2
+  local t; t=$(left "$max")
+  echo "== $name (timeout ${t}s): $*" | tee -a "$out/steps.log"
+  local s0; s0=$(date +%s)
+  timeout "$t" "$@" >"$out/$name.log" 2>&1
+  echo "== $name: exit $? after $(( $(date +%s) - s0 ))s" | tee -a "$out/steps.log"
+  tail -n 25 "$out/$name.log"
+}
+
+step tests 120 "$py" -m pytest -q -p no:cacheprovider tests/mechanisms/test_cuda.py \
+  tests/mechanisms/test_sparse.py -k cuda
+step sparse 220 "$py" -m attnlab bench record --only sparse-cuda --rerun
+step lra 100 "$py" -m attnlab bench lra --device cuda --mechanisms softmax,band,linear_elu,mega \
+  --task listops --steps 50 --out runs/lra-cuda
+step jat 100 "$py" -m attnlab bench record --only jat-cuda --rerun
+tar czf "$out/results.tgz" docs/bench/*cuda* runs/lra-cuda 2>/dev/null
+ls -la "$out"
