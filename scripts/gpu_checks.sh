@@ -5,9 +5,10 @@
 # step cannot starve the ones before it; a step cut off leaves its partial output.
 #
 #   bash scripts/gpu_checks.sh OUT_DIR      # from the repository root, on the GPU machine
+#   STEPS="tests lra" bash scripts/gpu_checks.sh OUT_DIR   # some steps only
 #
-# Runs from a tree without installing it (PYTHONPATH=src); a copy without .git names its
-# commit in ATTNLAB_GIT_COMMIT. Logs and results land in OUT_DIR (results.tgz holds the
+# Runs from a tree without installing it (PYTHONPATH=src); a copied tree names its commit
+# in ATTNLAB_GIT_COMMIT. Logs and results land in OUT_DIR (results.tgz holds the
 # recorded docs/bench/<id>/ folders, to be copied back before `bench record --render-only`).
 set -u
 out=${1:?usage: gpu_checks.sh OUT_DIR}
@@ -21,19 +22,21 @@ py=$(command -v python3 || command -v python)
 
 step() {  # step NAME MAX_SECONDS CMD...
   local name=$1 max=$2; shift 2
+  [[ " ${STEPS:-tests sparse lra jat} " == *" $name "* ]] || return 0
   local t; t=$(left "$max")
   echo "== $name (timeout ${t}s): $*" | tee -a "$out/steps.log"
   local s0; s0=$(date +%s)
   timeout "$t" "$@" >"$out/$name.log" 2>&1
   echo "== $name: exit $? after $(( $(date +%s) - s0 ))s" | tee -a "$out/steps.log"
   tail -n 25 "$out/$name.log"
+  tar czf "$out/results.tgz" docs/bench/*cuda* runs/lra-cuda 2>/dev/null  # after each step
 }
 
-step tests 120 "$py" -m pytest -q -p no:cacheprovider tests/mechanisms/test_cuda.py \
+step tests 90 "$py" -m pytest -q -p no:cacheprovider tests/mechanisms/test_cuda.py \
   tests/mechanisms/test_sparse.py -k cuda
-step sparse 220 "$py" -m attnlab bench record --only sparse-cuda --rerun
-step lra 100 "$py" -m attnlab bench lra --device cuda --mechanisms softmax,band,linear_elu,mega \
-  --task listops --steps 50 --out runs/lra-cuda
+step sparse 160 "$py" -m attnlab bench record --only sparse-cuda --rerun
+step lra 150 "$py" -m attnlab bench lra --device cuda \
+  --mechanisms "softmax,band,linear_elu,mega(chunk=128)" --task listops --length 512 \
+  --steps 20 --batch-size 8 --eval-size 64 --out runs/lra-cuda
 step jat 100 "$py" -m attnlab bench record --only jat-cuda --rerun
-tar czf "$out/results.tgz" docs/bench/*cuda* runs/lra-cuda 2>/dev/null
 ls -la "$out"

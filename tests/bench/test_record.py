@@ -160,11 +160,12 @@ def test_attnlab_runs_as_a_module_without_its_console_script(tmp_path, monkeypat
                                       "speed", "--out", str(tmp_path)]
 
 
-def test_a_tree_without_git_takes_its_commit_from_the_environment(monkeypatch):
+def test_a_copied_tree_takes_its_commit_from_the_environment(monkeypatch):
     from attnlab.recipes import rundir
 
-    monkeypatch.setattr(rundir.Path, "exists", lambda self: False)
     monkeypatch.setenv("ATTNLAB_GIT_COMMIT", "abc1234")
+    assert rundir.git_commit() == "abc1234"  # over whatever .git the copy sits in
+    monkeypatch.setattr(rundir.Path, "exists", lambda self: False)
     assert rundir.git_commit() == "abc1234"
     monkeypatch.delenv("ATTNLAB_GIT_COMMIT")
     assert rundir.git_commit() is None

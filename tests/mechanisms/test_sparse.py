@@ -429,13 +429,16 @@ def test_flex_masks_match_reference_on_cpu_forward(spec, causal):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_flex_padding_to_blocks_keeps_each_length_its_own_pattern(causal):
-    """Lengths 70, 100 (padded to 128) and 128 (not padded), one after another with the same
-    cache key: each equals the reference, so the cached mask is per true length."""
+    """Lengths 70, 100 (padded to 128), 128 (not padded), 200 (padded to 256) and 256, one
+    after another with the same cache key: each equals the reference, so the cached mask is
+    per true length."""
     pytest.importorskip("torch.nn.attention.flex_attention")
     from attnlab.mechanisms import _flex
 
+    assert [_flex.padded_length(n) for n in (1, 70, 128, 129, 200, 256, 257, 5000)] == [
+        128, 128, 128, 256, 256, 256, 512, 8192]
     mech = build("bigbird(block=8, window_blocks=3, num_random_blocks=1, global_blocks=1)")
-    for n in (70, 100, 128):
+    for n in (70, 100, 128, 200, 256):
         q, k, v = (t.detach() for t in _qkv(n, seed=n))
         key_mask = torch.arange(n)[None, :] < torch.tensor([n, n - 9, 1])[:, None]
         bias = mech.bias(n, n, layer_idx=0)

@@ -121,6 +121,8 @@ def measure(
     fwd(small_run, small)
     if not no_backward:
         fwdbwd(small_run, small)
+    for t in small:  # a warm-up at n would otherwise leave its gradients live in the base
+        t.grad = None
     inputs, run = (small, small_run) if warm == n else (make(n), runner(n))
     out: dict[str, float] = {}
     if part in ("memory", "both"):

@@ -10,9 +10,14 @@ How: the pattern (``mech.bias(n, m) == 0``, with causal folded in) becomes a
 (``create_block_mask`` is slow). The key-padding mask changes per batch, so it is applied
 as a ``score_mod`` (-inf for padded keys) instead of entering the cached mask.
 FlexAttention returns zeros for rows with no allowed key. No attention dropout here (the
-caller falls back to the blocked engine when dropout is active). Inputs are padded to a
-multiple of FLEX_BLOCK, so varying lengths share compiled shapes (added after the H100
-check in docs/benchmarks-history.md: verified on CPU with eager FlexAttention, not yet on a GPU).
+caller falls back to the blocked engine when dropout is active). Inputs are padded along
+the sequence to a power of two (at least FLEX_BLOCK), so varying lengths share a few
+compiled shapes: compiled FlexAttention (``dynamic=False``) compiles once per shape, and
+past dynamo's recompile limit it falls back to eager FlexAttention, which materialises the
+n x m scores. Padded keys are outside the pattern and padded query rows have no key, so
+their blocks are skipped by the block mask; the calls raise the recompile limit to
+RECOMPILE_LIMIT for FlexAttention alone (seen on an H200: a ListOps run with lengths
+varying in multiples of 128 reached the default limit of 8 within its first steps).
 Cost: the cached pattern is an [n, m] bool lookup table (n*m bytes on the GPU); the
 compute is block-sparse.
 """
@@ -29,6 +34,7 @@ from ..core import causal_mask
 
 CACHE_SIZE = 64  # BlockMasks kept (least recently used dropped)
 FLEX_BLOCK = 128  # FlexAttention's block size
+RECOMPILE_LIMIT = 64  # compiled shapes per FlexAttention call site (dynamo's default: 8)
 _MASKS: OrderedDict[tuple, object] = OrderedDict()
 
 
@@ -42,6 +48,20 @@ def available(q: torch.Tensor) -> bool:
     except ImportError:
         return False
     return True
+
+
+def padded_length(n: int) -> int:
+    """The length a sequence of ``n`` is padded to: the next power of two, >= FLEX_BLOCK."""
+    return max(FLEX_BLOCK, 1 << (n - 1).bit_length())
+
+
+def _recompile_limit():
+    """A context raising dynamo's per-function recompile limit to RECOMPILE_LIMIT."""
+    import torch._dynamo
+
+    name = ("recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit")
+            else "cache_size_limit")
+    return torch._dynamo.config.patch(**{name: RECOMPILE_LIMIT})
 
 
 @functools.cache
@@ -69,8 +89,9 @@ def block_mask(
     def mask_mod(b, h, qi, kj):
         return allowed[qi, kj]
 
-    bm = create_block_mask(mask_mod, None, None, n, m, device=device, BLOCK_SIZE=FLEX_BLOCK,
-                           _compile=compile_mask)
+    with _recompile_limit():
+        bm = create_block_mask(mask_mod, None, None, n, m, device=device,
+                               BLOCK_SIZE=FLEX_BLOCK, _compile=compile_mask)
     _MASKS[ck] = bm
     while len(_MASKS) > CACHE_SIZE:
         _MASKS.popitem(last=False)
@@ -91,17 +112,16 @@ def flex_pattern_attention(
 ) -> torch.Tensor:
     """Exact masked softmax over the pattern with FlexAttention: [b,h,n,dv].
 
-    q, k, v are zero-padded along the sequence to a multiple of ``FLEX_BLOCK`` (padded keys
-    are outside the pattern, padded query rows are dropped from the output), so batches of
-    varying length reuse a few compiled shapes instead of recompiling per length (torch.compile
-    with ``dynamic=False`` recompiles per shape and falls back to slow eager FlexAttention
-    past its recompile limit). ``compiled=False`` runs eager FlexAttention (forward only on
-    CPU; used by the tests).
+    q, k, v are zero-padded along the sequence to ``padded_length`` (padded keys are
+    outside the pattern, padded query rows are dropped from the output), so batches of
+    varying length reuse a few compiled shapes instead of recompiling per length (see the
+    module docstring). ``compiled=False`` runs eager FlexAttention (forward only on CPU;
+    used by the tests).
     """
     from torch.nn.attention.flex_attention import flex_attention
 
     n, m = q.shape[2], k.shape[2]
-    pn, pm = -n % FLEX_BLOCK, -m % FLEX_BLOCK  # padding to the block multiple
+    pn, pm = padded_length(n) - n, padded_length(m) - m  # padding to the shape bucket
 
     def padded_allowed() -> torch.Tensor:  # [n + pn, m + pm]: the pattern, causal folded in
         allowed = allowed_fn().to(torch.bool)
@@ -124,5 +144,6 @@ def flex_pattern_attention(
             return torch.where(km[b, kj], score, float("-inf"))
 
     fn = _compiled_flex() if compiled else flex_attention
-    out = fn(q, k, v, score_mod=score_mod, block_mask=bm, scale=scale)
+    with _recompile_limit():
+        out = fn(q, k, v, score_mod=score_mod, block_mask=bm, scale=scale)
     return out[:, :, :n]

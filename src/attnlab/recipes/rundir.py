@@ -81,11 +81,13 @@ def versions() -> dict[str, str | None]:
 def git_commit() -> str | None:
     """The commit of the checkout attnlab runs from (with ``-dirty`` if changed), else None.
 
-    A copy of the tree without its ``.git`` (an exported tree on another machine) can name
-    its commit in ``ATTNLAB_GIT_COMMIT``; it is then reported as given."""
+    A copy of the tree run elsewhere (without its ``.git``, or over another checkout's
+    ``.git``) names its commit in ``ATTNLAB_GIT_COMMIT``, which is then reported as given."""
+    if os.environ.get("ATTNLAB_GIT_COMMIT"):
+        return os.environ["ATTNLAB_GIT_COMMIT"]
     src = Path(__file__).resolve().parents[3]  # <checkout>/src/attnlab/recipes/rundir.py
     if not (src / ".git").exists():
-        return os.environ.get("ATTNLAB_GIT_COMMIT") or None
+        return None
     try:
         head = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], text=True,
                               capture_output=True, timeout=10, check=True).stdout.strip()
