@@ -357,6 +357,33 @@ def test_blocked_backward_gradcheck(p, causal, extra, rows):
     assert torch.autograd.gradcheck(fn, (q, k, v), fast_mode=True)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_cached_bias_equals_a_fresh_one_under_every_key_mask(causal):
+    """The bias cache (``_blockbias``): a named pattern is built once per shape; each
+    batch's key mask still applies on top, and the result equals an uncached build."""
+    from attnlab.mechanisms import _blockbias
+
+    n, block, w = 300, 64, 20
+    width = bs.window_width(block, w, w)
+    built = []
+
+    def pattern(i, j):
+        built.append(1)
+        return (i - j).abs() <= w
+
+    ex = torch.tensor([[0, 5]]).expand(-(-n // block), -1)
+    masks = [None, torch.arange(n)[None, :] < torch.tensor([n, 123])[:, None],
+             torch.arange(n)[None, :] < torch.tensor([7, n])[:, None], None]
+    for km in masks:
+        got = bs.build_block_bias(n, block, w, width, pattern, ex, km, causal, torch.float32,
+                                  torch.device("cpu"), key=("test-band", w, causal))
+        fresh = bs.build_block_bias(n, block, w, width, pattern, ex, km, causal,
+                                    torch.float32, torch.device("cpu"))
+        assert all(torch.equal(a, b) for a, b in zip(got, fresh, strict=True))
+    assert len(built) == 1 + len(masks)  # the keyed pattern once, the fresh builds each time
+    assert len(_blockbias._BIAS_CACHE) <= _blockbias.BIAS_CACHE_SIZE
+
+
 def test_dropout_only_in_training():
     mech = build("band(window=8)")
     q, k, v = (t.detach() for t in _qkv(N_FAST, b=1))

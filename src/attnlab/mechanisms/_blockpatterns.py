@@ -48,7 +48,7 @@ def local_global_attention(
     return bs.blocked_attention(
         q, k, v, block=block, left=window, width=width, pattern=pattern, extra=extra,
         key_mask=key_mask, causal=causal, scale=scale, dropout=dropout,
-        rows=gpos if glob else None,
+        rows=gpos if glob else None, pattern_key=("local_global", window, tuple(glob), block),
     )
 
 

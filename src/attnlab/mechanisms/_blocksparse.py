@@ -40,9 +40,11 @@ Speed notes (2-core CPU, fp32; see docs/benchmarks.md and docs/benchmarks-histor
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Hashable
 
 import torch
+
+from ._blockbias import Pattern, _neg, build_block_bias, row_bias
 
 # Inputs shorter than this use the dense masked path (blocking does not pay off).
 DENSE_FALLBACK_MAX_LEN = 256
@@ -77,9 +79,6 @@ try:
 except ValueError as e:
     CHUNK_ELEMS, CHUNK_ENV_ERROR = 1 << 20, str(e)
 
-Pattern = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
 def use_blocked(n: int, m: int, need_weights: bool, same_head_dims: bool = True) -> bool:
     """Whether the blocked engine runs (else the dense masked path): the one rule.
 
@@ -92,58 +91,6 @@ def window_width(block: int, left: int, right: int) -> int:
     """L: keys u*B - left .. u*B + B - 1 + right, rounded up to a multiple of B."""
     span = block + left + right
     return -(-span // block) * block
-
-
-def _neg(dtype: torch.dtype) -> float:
-    # A finite "minus infinity": fully masked rows give a finite uniform softmax (then
-    # zeroed), never NaN; exp(NEG - lse) underflows to exactly 0 elsewhere.
-    return torch.finfo(dtype).min / 2
-
-
-def build_block_bias(
-    n: int,
-    block: int,
-    left: int,
-    width: int,
-    pattern: Pattern,
-    extra: torch.Tensor | None,
-    key_mask: torch.Tensor | None,
-    causal: bool,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Additive bias [b|1, nqb, B, L+R] (0 / NEG) and live rows [b|1, nqb, B] (bool).
-
-    ``pattern(i, j)`` gets query positions i [nqb, B, 1] and window key positions
-    j [nqb, 1, L] and returns which pairs the pattern allows inside the window. Extra keys
-    (``extra`` [nqb, R] positions, -1 = unused) are allowed for every query of their block.
-    Bounds (0 <= j < n, i < n), ``causal`` (j <= i) and ``key_mask`` [b, n] are added here.
-    """
-    if key_mask is not None and bool(key_mask.all()):
-        key_mask = None  # no padding: one bias for the whole batch
-    nqb = -(-n // block)
-    u = torch.arange(nqb, device=device)
-    i = (u[:, None] * block + torch.arange(block, device=device))[:, :, None]  # [nqb,B,1]
-    jw = (u * block - left)[:, None, None] + torch.arange(width, device=device)  # [nqb,1,L]
-    allowed = pattern(i, jw) & (jw >= 0) & (jw < n)  # [nqb,B,L]
-    j = jw
-    if extra is not None and extra.shape[-1] > 0:
-        jx = extra.to(device)[:, None, :]  # [nqb,1,R]
-        ax = ((jx >= 0) & (jx < n)).expand(nqb, block, -1)
-        allowed = torch.cat([allowed.expand(nqb, block, width), ax], dim=-1)
-        j = torch.cat([jw, jx], dim=-1)  # [nqb,1,L+R]
-    allowed = allowed & (i < n)
-    if causal:
-        allowed = allowed & (j <= i)
-    if key_mask is not None:
-        km = key_mask.to(device=device, dtype=torch.bool)[:, j.clamp(0, n - 1)]  # [b,nqb,1,L+R]
-        allowed = allowed[None] & km
-    else:
-        allowed = allowed[None]
-    live = allowed.any(-1)  # [b|1,nqb,B]
-    bias = torch.zeros(allowed.shape, dtype=dtype, device=device)
-    bias.masked_fill_(~allowed, _neg(dtype))
-    return bias, live
 
 
 class _Layout:
@@ -538,19 +485,6 @@ def _dense_rows_backward(qp, ks, vs, rows, rbias, lay: _Layout, scale: float, p:
     dkvs[0][:, :n].baddbmm_(ds.transpose(1, 2), qp[:, rows], alpha=scale)
 
 
-def row_bias(rows: torch.Tensor, n: int, key_mask: torch.Tensor | None, causal: bool,
-             dtype: torch.dtype) -> torch.Tensor:
-    """Additive bias [b|1, G, n] of dense query rows: every key, minus padding and (causal)
-    keys after the row."""
-    allowed = torch.ones(1, rows.shape[0], n, dtype=torch.bool, device=rows.device)
-    if causal:
-        allowed = allowed & (torch.arange(n, device=rows.device) <= rows[:, None])
-    if key_mask is not None and not bool(key_mask.all()):
-        allowed = allowed & key_mask.to(device=rows.device, dtype=torch.bool)[:, None, :]
-    return torch.zeros(allowed.shape, dtype=dtype, device=rows.device).masked_fill_(
-        ~allowed, _neg(dtype))
-
-
 def blocked_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -566,6 +500,7 @@ def blocked_attention(
     scale: float,
     dropout: float = 0.0,
     rows: torch.Tensor | None = None,
+    pattern_key: Hashable | None = None,
 ) -> torch.Tensor:
     """Exact masked softmax attention over a block layout; q, k, v [b,h,n,d] -> [b,h,n,dv].
 
@@ -574,7 +509,8 @@ def blocked_attention(
     unused; must not repeat a key the window already allows). ``dropout`` > 0 applies
     attention dropout (the caller passes 0 in eval mode). ``rows`` [G]: query positions
     that attend every key (global queries; causal and padding still apply), computed
-    densely in O(G*n*d). Rows with no allowed key -> 0.
+    densely in O(G*n*d). Rows with no allowed key -> 0. ``pattern_key``: a hashable naming
+    ``pattern`` and ``extra`` completely, to cache the bias (``build_block_bias``).
     """
     if CHUNK_ENV_ERROR:
         raise ValueError(CHUNK_ENV_ERROR)
@@ -586,7 +522,8 @@ def blocked_attention(
     if v.shape[-1] != d:
         raise ValueError(f"blocked attention needs v's head dim ({v.shape[-1]}) == d ({d})")
     bias, live = build_block_bias(
-        n, block, left, width, pattern, extra, key_mask, causal, q.dtype, q.device
+        n, block, left, width, pattern, extra, key_mask, causal, q.dtype, q.device,
+        key=pattern_key,
     )
     lay = _Layout(n, block, left, width, b * h)
     xi = None if extra is None or extra.shape[-1] == 0 else extra.clamp(0, n - 1).to(q.device)

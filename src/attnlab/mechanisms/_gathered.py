@@ -16,14 +16,11 @@ from __future__ import annotations
 
 import torch
 
+from ._blockbias import _neg
+
 # Bytes of one chunk's gathered keys (b*h*rows*K*d fp32): small enough for the cache and
 # below glibc's mmap threshold, large enough that the per-chunk overhead does not matter.
 CHUNK_BYTES = 8 << 20
-
-
-def _neg(dtype: torch.dtype) -> float:
-    # finite "minus infinity": fully masked rows give a finite softmax (then zeroed)
-    return torch.finfo(dtype).min / 2
 
 
 def _rows(b: int, h: int, n: int, k: int, d: int) -> int:

@@ -263,6 +263,7 @@ class BlockLocal(nn.Module):
         return bs.blocked_attention(
             q, k, v, block=qblock, left=0, width=qblock, pattern=pattern,
             key_mask=ctx.key_mask, causal=ctx.causal, scale=scale, dropout=p,
+            pattern_key=("block_local", blk, qblock),
         )
 
     def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
@@ -511,6 +512,7 @@ class BigBird(nn.Module):
             q, k, v, block=blk, left=half * blk, width=(2 * half + 1) * blk, pattern=pattern,
             extra=extra, key_mask=ctx.key_mask, causal=ctx.causal, scale=scale, dropout=p,
             rows=torch.arange(min(g * blk, n), device=q.device) if g > 0 else None,
+            pattern_key=("bigbird", c, ctx.layer_idx),  # the random blocks are per layer
         )
 
     def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
