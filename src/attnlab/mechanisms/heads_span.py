@@ -403,8 +403,13 @@ class AdaptiveSpan(nn.Module):
                 self.current_val.clamp_(0.0, 1.0)
 
     def spans(self) -> torch.Tensor:
-        """z [h] = S * current_val (clamped to [0, 1])."""
-        return self.cfg.max_span * self.current_val.clamp(0.0, 1.0)
+        """z [h] = S * current_val, its value clamped to [0, 1] and its gradient that of
+        S * current_val (the official mask and loss read current_val unclamped, kept in
+        range by ``clamp_param``; a differentiable clamp would give a head sitting on a
+        bound a gradient that depends on torch's convention there: 1 up to torch 2.13,
+        0 in 2.14)."""
+        val = self.current_val
+        return self.cfg.max_span * (val + (val.clamp(0.0, 1.0) - val).detach())
 
     def current_max_span(self) -> int:
         """L = min(S, ceil(max_h z_h) + R): keys at distance >= L have mask 0."""
