@@ -152,3 +152,17 @@ def test_cli_refuses_a_bad_device_or_dtype(tmp_path):
                                        "--out", str(tmp_path), *extra])
         assert res.exit_code != 0 and ("tpu" in res.output or "float16" in res.output)
         assert "Traceback" not in res.output
+
+
+def test_memory_at_every_n(tmp_path):
+    res = run_suite(tmp_path, ["band"], (512, 1024), progress=False, measure=fake([]))
+    table = (tmp_path / "table.md").read_text()
+    assert "Peak memory, MB (ratio to SDPA at the same n), at every n:" in table
+    # fake: SDPA's peak n/50 MB, band's n/100 MB: 0.50x at each n
+    assert "| `band(window=128)` | 5 (0.50x) | 10 (0.50x) |" in table
+    assert "| `sdpa` | 10 (1.00x) | 20 (1.00x) |" in table
+    assert res["rows"]
+    single = tmp_path / "one"
+    run_suite(single, ["band"], (512,), progress=False, measure=fake([]))
+    assert "at every n" not in (single / "table.md").read_text()
+

@@ -229,7 +229,8 @@ def _ms(x: float) -> str:
 
 def format_table(results: dict[str, Any]) -> str:
     """Markdown: forward+backward ms per n with the ratio to SDPA, peak MB at the largest
-    n each method ran, and the fitted exponent."""
+    n each method ran, and the fitted exponent; then the peak at every n
+    (``memory_table``), the peers and the targets."""
     rows = results["rows"]
     ns = sorted({r["n"] for r in rows})
     head = ("| method | " + " | ".join(f"{n}" for n in ns)
@@ -270,7 +271,32 @@ def format_table(results: dict[str, Any]) -> str:
                f"{t['target']:.2f}: {'met' if t['met'] else 'NOT met'})\n"
                for t in results.get("targets", [])]
     return (head + "".join(lines) + note + ("".join(errors) if errors else "")
-            + peers_table(rows) + ("\nTargets:\n" + "".join(targets) if targets else ""))
+            + memory_table(rows, ns) + peers_table(rows)
+            + ("\nTargets:\n" + "".join(targets) if targets else ""))
+
+
+def memory_table(rows: list[dict[str, Any]], ns: Sequence[int]) -> str:
+    """Markdown: each method's peak MB at every n with its ratio to SDPA's (forward+backward;
+    'fwd' marks a forward-only peak). Empty with a single n (the main table has it)."""
+    if len(ns) < 2:
+        return ""
+    lines = []
+    for method in dict.fromkeys(r["method"] for r in rows):
+        mine = {r["n"]: r for r in rows if r["method"] == method and "error" not in r}
+        cells = []
+        for n in ns:
+            r = mine.get(n)
+            if r is None:
+                cells.append("-")
+                continue
+            fwd_only = bool(r.get("forward_only"))
+            peak = r["peak_fwd_mb"] if fwd_only else r["peak_mem_mb"]
+            ratio = f" ({r['mem_ratio']:.2f}x)" if "mem_ratio" in r else ""
+            cells.append(f"{'fwd ' if fwd_only else ''}{peak:.0f}{ratio}")
+        lines.append(f"| `{method}` | " + " | ".join(cells) + " |\n")
+    return ("\nPeak memory, MB (ratio to SDPA at the same n), at every n:\n\n"
+            "| method | " + " | ".join(f"{n}" for n in ns) + " |\n"
+            "|---|" + "---:|" * len(ns) + "\n" + "".join(lines))
 
 
 def peers_table(rows: list[dict[str, Any]]) -> str:
