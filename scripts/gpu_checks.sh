@@ -33,7 +33,7 @@ step() {  # step NAME MAX_SECONDS CMD...
 }
 
 step tests 90 "$py" -m pytest -q -p no:cacheprovider tests/mechanisms/test_cuda.py \
-  tests/mechanisms/test_sparse.py -k cuda
+  tests/mechanisms/test_sparse_flex.py -k cuda
 step sparse 160 "$py" -m attnlab bench record --only sparse-cuda --rerun
 step lra 150 "$py" -m attnlab bench lra --device cuda \
   --mechanisms "softmax,band,linear_elu,mega(chunk=128)" --task listops --length 512 \

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from ..core.spec import parse_spec
+from ..mechanisms import compiled_flex_attention, flex_recompile_limit
 
 PEER_PREFIXES = ("hf_", "flex_")
 
@@ -151,7 +152,7 @@ def _flex(global_default: int) -> _Builder:
             return allowed | (qi < g) | (kj < g) if g else allowed
 
         masks: dict[str, Any] = {}  # device -> BlockMask, built once
-        flex = torch.compile(flex_attention, dynamic=False) if p["compiled"] else flex_attention
+        flex = compiled_flex_attention() if p["compiled"] else flex_attention
 
         def run(x: torch.Tensor) -> torch.Tensor:
             b, dev = x.shape[0], str(x.device)
@@ -159,7 +160,8 @@ def _flex(global_default: int) -> _Builder:
                 masks[dev] = create_block_mask(mask_mod, None, None, n, n, device=dev)
             heads_view = x.view(b, n, heads, head_dim).transpose(1, 2)  # [b,h,n,d]
             q, k, v = (heads_view.clone() for _ in range(3))
-            out = flex(q, k, v, block_mask=masks[dev])  # [b,h,n,d]
+            with flex_recompile_limit():  # one compiled graph per (n, grad mode) of a run
+                out = flex(q, k, v, block_mask=masks[dev])  # [b,h,n,d]
             return out.transpose(1, 2).reshape(b, n, heads * head_dim)
 
         return run

@@ -213,21 +213,9 @@ def measure_isolated(**kwargs: Any) -> dict[str, float]:
     and compiled FlexAttention kernels are then compiled once per shape for the whole run
     instead of once per measurement)."""
     if str(kwargs.get("device", "cpu")).startswith("cuda"):
-        _allow_recompiles()
         return measure(part="both", **kwargs)
     mem = _measure_in_subprocess(part="memory", **kwargs)
     return {**_measure_in_subprocess(part="time", **kwargs), **mem}
-
-
-def _allow_recompiles(limit: int = 64) -> None:
-    """Let torch.compile keep one FlexAttention graph per (n, grad mode) of a whole run:
-    past dynamo's default recompile limit (8) it would fall back to eager FlexAttention,
-    which materialises the n x n scores."""
-    import torch._dynamo
-
-    for name in ("recompile_limit", "cache_size_limit"):
-        if getattr(torch._dynamo.config, name, limit) < limit:
-            setattr(torch._dynamo.config, name, limit)
 
 
 def run_child(module: str, kwargs: dict[str, Any], env: dict[str, str] | None = None

@@ -55,7 +55,7 @@ def padded_length(n: int) -> int:
     return max(FLEX_BLOCK, 1 << (n - 1).bit_length())
 
 
-def _recompile_limit():
+def recompile_limit():
     """A context raising dynamo's per-function recompile limit to RECOMPILE_LIMIT."""
     import torch._dynamo
 
@@ -65,7 +65,7 @@ def _recompile_limit():
 
 
 @functools.cache
-def _compiled_flex():
+def compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
 
     return torch.compile(flex_attention, dynamic=False)
@@ -89,7 +89,7 @@ def block_mask(
     def mask_mod(b, h, qi, kj):
         return allowed[qi, kj]
 
-    with _recompile_limit():
+    with recompile_limit():
         bm = create_block_mask(mask_mod, None, None, n, m, device=device,
                                BLOCK_SIZE=FLEX_BLOCK, _compile=compile_mask)
     _MASKS[ck] = bm
@@ -143,7 +143,7 @@ def flex_pattern_attention(
         def score_mod(score, b, h, qi, kj):
             return torch.where(km[b, kj], score, float("-inf"))
 
-    fn = _compiled_flex() if compiled else flex_attention
-    with _recompile_limit():
+    fn = compiled_flex() if compiled else flex_attention
+    with recompile_limit():
         out = fn(q, k, v, score_mod=score_mod, block_mask=bm, scale=scale)
     return out[:, :, :n]
