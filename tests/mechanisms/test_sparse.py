@@ -322,35 +322,53 @@ def test_blocked_bf16_runs():
 # ------------------------------------------------ the hand-written backward (float64)
 
 
-def _engine(p: float, causal: bool, extra: bool, rows: bool = False):
+def _engine(p: float, causal: bool, extra: str | None, rows: bool = False):
+    """The engine on a small problem; ``extra``: None, "shared" (the same extra keys for
+    every block, as Longformer's global keys) or "block" (their order and slots differ
+    per block, as BigBird's random keys)."""
     n, block, w = 21, 4, 3
-    ex = torch.tensor([[0, 17, -1]]).expand(-(-n // block), -1) if extra else None
+    nqb = -(-n // block)
+    ex = {None: None, "shared": torch.tensor([[0, 17, -1]]).expand(nqb, -1),
+          "block": torch.tensor([[0, 17, -1], [17, -1, 0]]).repeat(nqb, 1)[:nqb]}[extra]
     key_mask = torch.arange(n)[None, :] < torch.tensor([n, 12])[:, None]
 
     def pattern(i, j):
         return ((i - j).abs() <= w) & (j != 0) & (j != 17) if extra else (i - j).abs() <= w
 
-    bias, live = bs.build_block_bias(n, block, w, bs.window_width(block, w, w), pattern, ex,
-                                     key_mask, causal, torch.float64, torch.device("cpu"))
-    lay = bs._Layout(n, block, w, bs.window_width(block, w, w), 2 * 2)
-    xi = None if ex is None else ex.clamp(0, n - 1)
+    bias, bias_x, live = bs.build_block_bias(n, block, w, bs.window_width(block, w, w),
+                                             pattern, ex, key_mask, causal, torch.float64,
+                                             torch.device("cpu"))
+    lay = bs._Layout(n, block, w, bs.window_width(block, w, w), 2 * 2,
+                     0 if ex is None else ex.shape[-1])
+    xi = None if ex is None else bs.ExtraKeys(ex.clamp(0, n - 1))
     # dense rows: query 0 and 17 attend every key (17's window is padding in sequence 2)
     r = torch.tensor([0, 17]) if rows else None
     rb = bs.row_bias(r, n, key_mask, causal, torch.float64) if rows else None
 
     def fn(q, k, v):
-        return bs._BlockedAttention.apply(q, k, v, bias, live, xi, lay, 0.4, p, 1234, r, rb)
+        return bs._BlockedAttention.apply(q, k, v, bias, bias_x, live, xi, lay, 0.4, p, 1234,
+                                          r, rb)
 
     return fn, n
 
 
 @pytest.mark.parametrize("p,causal,extra,rows", [
-    (0.0, False, True, False), (0.0, True, False, False), (0.3, False, False, False),
-    (0.3, True, True, False), (0.0, False, True, True), (0.0, True, False, True),
-    (0.3, True, True, True)])
+    (0.0, False, "shared", False), (0.0, True, None, False), (0.3, False, None, False),
+    (0.3, True, "shared", False), (0.0, False, "shared", True), (0.0, True, None, True),
+    (0.3, True, "shared", True), (0.0, False, "block", False), (0.3, True, "block", True)])
 def test_blocked_backward_gradcheck(p, causal, extra, rows):
     fn, n = _engine(p, causal, extra, rows)
     g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(4, n, 3, generator=g, dtype=torch.float64).requires_grad_()
+               for _ in range(3))
+    assert torch.autograd.gradcheck(fn, (q, k, v), fast_mode=True)
+
+
+def test_blocked_backward_recomputes_many_dense_rows(monkeypatch):
+    """Dense rows beyond ``_KEEP_ROWS_MAX`` are recomputed in the backward, not kept."""
+    monkeypatch.setattr(bs, "_KEEP_ROWS_MAX", 1)
+    fn, n = _engine(0.3, True, "block", rows=True)
+    g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(4, n, 3, generator=g, dtype=torch.float64).requires_grad_()
                for _ in range(3))
     assert torch.autograd.gradcheck(fn, (q, k, v), fast_mode=True)

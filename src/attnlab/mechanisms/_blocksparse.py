@@ -15,7 +15,8 @@ reordering). Memory: O(b*h*n*d) for the gradients (and for padded copies of K an
 only when n is not a multiple of B: ``_KeyRows``), O(b*n*(L+R)) for the additive mask
 (shared by the heads; one copy when there is no padding) and a few chunk buffers of
 CHUNK_ELEMS scores. The backward saves q, k, v (the inputs themselves where no copy is
-needed), the output and, with extra keys or dense rows, the parts' weights.
+needed), the output, with extra keys each query's window share and log-sum-exp, and the
+probabilities of up to ``_KEEP_ROWS_MAX`` dense rows.
 
 Speed notes (2-core CPU, fp32; see docs/benchmarks.md and docs/benchmarks-history.md):
 * All sequences (b*h) and their padded positions are laid out in one flat [rows, d] array,
@@ -29,11 +30,12 @@ Speed notes (2-core CPU, fp32; see docs/benchmarks.md and docs/benchmarks-histor
   one shifted slice in place (no [Tc, L, d] gradient buffer: 118 MB instead of 148 MB
   for band(128) forward+backward at n = 4096, 12 heads; 98 MB with 1 Mi-score chunks,
   62 MB without copies of K, V, q and dO).
-* Window and extra keys are two softmaxes merged by their log-sum-exp, never one
-  [.., L+R] buffer: a GEMM into a column slice falls back to one small GEMM per block,
-  and copying the keys into one operand costs a pass over the window per chunk. With
-  the dense rows inside the engine too, a global token costs O(n*d) extra work and no
-  copy of the output or its gradients (docs/benchmarks-history.md, "Global tokens").
+* Window and extra keys are two parts of one softmax merged by their log-sum-exp, never
+  one [.., L+R] buffer: a GEMM into a column slice falls back to one small GEMM per block,
+  and copying the keys into one operand costs a pass over the window per chunk. Extra
+  keys shared by every block (global keys) take one GEMM per sequence. With the dense
+  rows inside the engine too, a global token costs O(n*d) extra work and no copy of the
+  output or its gradients (docs/benchmarks-history.md, "Global tokens", "Extra keys").
 * Attention dropout masks are regenerated in the backward from a per-call seed.
 """
 
@@ -45,6 +47,7 @@ from collections.abc import Hashable
 import torch
 
 from ._blockbias import Pattern, _neg, build_block_bias, row_bias
+from ._blockextras import ExtraKeys
 
 # Inputs shorter than this use the dense masked path (blocking does not pay off).
 DENSE_FALLBACK_MAX_LEN = 256
@@ -96,8 +99,10 @@ def window_width(block: int, left: int, right: int) -> int:
 class _Layout:
     """Flat padded layout shared by forward and backward (all sizes in rows)."""
 
-    def __init__(self, n: int, block: int, left: int, width: int, seqs: int) -> None:
+    def __init__(self, n: int, block: int, left: int, width: int, seqs: int,
+                 extras: int = 0) -> None:
         self.n, self.B, self.P, self.L, self.S = n, block, left, width, seqs
+        self.W = width + extras  # scores per query: the window's L and the R extra keys
         self.nqb = -(-n // block)
         self.np = self.nqb * block
         self.T = seqs * self.nqb  # total query blocks
@@ -214,18 +219,18 @@ class _QueryRows:
         return rows.view(t1 - t0, lay.B, rows.shape[-1])
 
 
-def _within_sequences(lay: _Layout, bias: torch.Tensor) -> bool:
+def _within_sequences(lay: _Layout) -> bool:
     """Whether ``_chunks`` cuts inside sequences (a sequence holds more than a chunk)."""
-    return lay.nqb * lay.B * bias.shape[-1] > CHUNK_ELEMS
+    return lay.nqb * lay.B * lay.W > CHUNK_ELEMS
 
 
-def _chunks(lay: _Layout, bias: torch.Tensor):
+def _chunks(lay: _Layout, groups: int):
     """(gi, s0, s1, u0, u1): whole sequences s0..s1 of bias group gi, or blocks u0..u1 of
     one sequence. A group is a batch element when the bias depends on it (key mask), else
-    all b*h sequences form one group."""
-    groups, nqb = bias.shape[0], lay.nqb
-    per_group, per_block = lay.S // groups, lay.B * bias.shape[-1]
-    if not _within_sequences(lay, bias):
+    all b*h sequences form one group (``groups`` = 1)."""
+    nqb = lay.nqb
+    per_group, per_block = lay.S // groups, lay.B * lay.W
+    if not _within_sequences(lay):
         sc = max(1, CHUNK_ELEMS // (nqb * per_block))
         for gi in range(groups):
             for s0 in range(gi * per_group, (gi + 1) * per_group, sc):
@@ -238,38 +243,18 @@ def _chunks(lay: _Layout, bias: torch.Tensor):
                     yield gi, s, s + 1, u0, min(u0 + uc, nqb)
 
 
-def _keys(lay: _Layout, src: _KeyRows, extra, c) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Keys of chunk c: the window as a view [Tc, L, d] (no copy but at the two ends of the
-    layout) and the extra keys [Tc, R, d] (a small gather), or None."""
-    _, s0, s1, u0, u1 = c
-    t0, t1 = _span(lay, c)
-    win = src.window_t(t0, t1).transpose(1, 2)  # [Tc,L,d]
-    if extra is None:
-        return win, None
-    xk = src.seq[s0:s1][:, extra[u0:u1]]  # [hc,uc,R,d]
-    return win, xk.reshape(t1 - t0, -1, xk.shape[-1])
-
-
-def _add_key_grads(lay: _Layout, flat: torch.Tensor, seq: torch.Tensor, extra, c, part: int,
-                   a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> None:
-    """Adjoint of ``_keys`` for one of dK, dV (flat [rows, d] and its [S, np, d] view
-    ``seq``): add alpha * a^T b (a [Tc, B, L|R], b [Tc, B, d]) into the keys of ``part``.
-
-    The window (part 0) takes one GEMM per B-key slice, accumulated in place into the B
-    rows it covers (no [Tc, L, d] buffer, no overlap-add pass); the extras (part 1) one
-    GEMM and an index-add."""
-    _, s0, s1, u0, u1 = c
+def _add_window_grads(lay: _Layout, flat: torch.Tensor, c, a: torch.Tensor, b: torch.Tensor,
+                      alpha: float = 1.0) -> None:
+    """Adjoint of the window view for one of dK, dV (flat [rows, d]): add alpha * a^T b
+    (a [Tc, B, L], b [Tc, B, d]) into the window keys: one GEMM per B-key slice,
+    accumulated in place into the B rows it covers (no [Tc, L, d] buffer, no overlap-add
+    pass)."""
     t0, t1 = _span(lay, c)
     B = lay.B
-    if part == 0:
-        blocks = flat.view(-1, B, flat.shape[-1])  # [rows/B,B,d]
-        for o in range(lay.L // B):
-            blocks[t0 + o : t1 + o].baddbmm_(a[:, :, o * B : (o + 1) * B].transpose(1, 2), b,
-                                             alpha=alpha)
-    else:
-        idx = extra[u0:u1].reshape(-1)
-        gx = torch.bmm(a.transpose(1, 2), b)  # [Tc,R,d]
-        seq[s0:s1].index_add_(1, idx, gx.view(s1 - s0, idx.shape[0], -1), alpha=alpha)
+    blocks = flat.view(-1, B, flat.shape[-1])  # [rows/B,B,d]
+    for o in range(lay.L // B):
+        blocks[t0 + o : t1 + o].baddbmm_(a[:, :, o * B : (o + 1) * B].transpose(1, 2), b,
+                                         alpha=alpha)
 
 
 def _span(lay: _Layout, c) -> tuple[int, int]:
@@ -278,33 +263,37 @@ def _span(lay: _Layout, c) -> tuple[int, int]:
     return s0 * lay.nqb + u0, (s1 - 1) * lay.nqb + u1
 
 
-def _scores(lay: _Layout, bias, qr: _QueryRows, keys, c, scale: float) -> list[torch.Tensor]:
-    """bias + scale * Q K^T of chunk c for each key part: the window [Tc, B, L] and the
-    extras [Tc, B, R], each a fresh contiguous buffer (a GEMM into a column slice of one
-    [.., L+R] buffer costs a copy unless R is a multiple of 16 floats)."""
+def _scores(lay: _Layout, bias: tuple[torch.Tensor, torch.Tensor | None], q: torch.Tensor,
+            kwin: torch.Tensor, ex: ExtraKeys | None, xk: torch.Tensor | None, c, scale: float
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """bias + scale * Q K^T of chunk c: the window's [Tc, B, L] and the extra keys'
+    [Tc, B, R] (or None), each a fresh contiguous buffer. One [.., L+R] buffer would let one
+    softmax cover both, but a batched GEMM into its column slice runs as one small GEMM
+    per block (torch's CPU bmm takes a contiguous result only): measured, that cost more
+    in the backward than the merge saves (docs/benchmarks-history.md, "Extra keys")."""
     gi, s0, s1, u0, u1 = c
-    t0, t1 = _span(lay, c)
-    q = qr.blocks(t0, t1)  # [Tc,B,d]
-    cols = (slice(0, lay.L), slice(lay.L, None))
-    out = []
-    for kpart, col in zip(keys, cols, strict=False):
-        s = bias[gi, u0:u1, :, col].repeat(s1 - s0, 1, 1)  # a fresh copy [Tc,B,L|R]
-        out.append(s.baddbmm_(q, kpart.transpose(1, 2), alpha=scale))
-    return out
+    s = bias[0][gi, u0:u1].repeat(s1 - s0, 1, 1)  # a fresh copy [Tc,B,L]
+    s.baddbmm_(q, kwin.transpose(1, 2), alpha=scale)
+    if ex is None:
+        return s, None
+    assert xk is not None and bias[1] is not None
+    sx = bias[1][gi, u0:u1].repeat(s1 - s0, 1, 1)  # [Tc,B,R]
+    ex.mm(sx, q, xk, transpose=True, alpha=scale, beta=1.0)
+    return s, sx
 
 
-def _softmax_lse(s: torch.Tensor, own: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """softmax(s) over the last dim and its log-sum-exp [.., 1], with no exp pass of our
-    own (torch's fused softmax is ~3x faster than ``exp_`` here): lse = s_j - log p_j for
-    any column j whose p_j is a normal float (then the log is exact to float precision).
+def _window_lse(s: torch.Tensor, p: torch.Tensor, own: int | None) -> torch.Tensor:
+    """The log-sum-exp [Tc, B, 1] of the window scores s [Tc, B, L] from their softmax p,
+    with no exp pass of our own (torch's fused softmax is ~3x faster than ``exp_`` here):
+    lse = s_j - log p_j for any column j whose p_j is a normal float (then the log is exact
+    to float precision).
 
-    ``own``: s is [Tc, B, L] and row r's own key is column r + own (the window's
-    diagonal, a strided view: no pass over s); the few rows where its p_j < 1e-30 (a
-    masked or far-off own key), and ``own=None``, take j = argmax, found with two ``amax``
-    passes (``max`` with indices took 6x as long)."""
-    p = torch.softmax(s, dim=-1)
+    ``own``: row r's own key is column r + own (the window's diagonal, a strided view: no
+    pass over s); the few rows where its p_j < 1e-30 (a masked or far-off own key), and
+    ``own=None``, take j = argmax, found with two ``amax`` passes (``max`` with indices
+    took 6x as long)."""
     if own is None:
-        return p, s.amax(-1, keepdim=True) - p.amax(-1, keepdim=True).log_()
+        return s.amax(-1, keepdim=True) - p.amax(-1, keepdim=True).log_()
     pj = p.diagonal(own, 1, 2).unsqueeze(-1)  # [Tc,B,1]
     lse = s.diagonal(own, 1, 2).unsqueeze(-1) - pj.log()
     bad = (pj < 1e-30).view(-1).nonzero().squeeze(1)
@@ -312,7 +301,7 @@ def _softmax_lse(s: torch.Tensor, own: int | None = None) -> tuple[torch.Tensor,
         width = s.shape[-1]
         sb, pb = s.view(-1, width)[bad], p.view(-1, width)[bad]  # [k,width]
         lse.view(-1)[bad] = sb.amax(-1) - pb.amax(-1).log_()
-    return p, lse
+    return lse
 
 
 def _dropout_mask(like: torch.Tensor, p: float, seed: int, chunk: int) -> torch.Tensor:
@@ -322,87 +311,97 @@ def _dropout_mask(like: torch.Tensor, p: float, seed: int, chunk: int) -> torch.
     return keep.div_(1.0 - p)
 
 
-def _part_probs(parts: list[torch.Tensor], own: int | None
-                ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-    """Joint softmax over the key parts as each part's own softmax and its weight
-    c = exp(lse_part - lse) [Tc, B, parts] (None for a single part, where c = 1).
-    ``own``: the column offset of each query's own key in the window, or None."""
-    if len(parts) == 1:
-        return [torch.softmax(parts[0], dim=-1)], None
-    probs, lses = zip(*(_softmax_lse(s, j) for s, j in zip(parts, (own, None), strict=True)),
-                      strict=True)
-    lse = torch.cat(lses, dim=-1)  # [Tc,B,parts]
-    return list(probs), (lse - torch.logsumexp(lse, -1, keepdim=True)).exp_()
+def _chunk_rows(lay: _Layout, rows: torch.Tensor, c) -> torch.Tensor:
+    """Flat indices into chunk c's [Tc*B] query rows of the dense rows' positions."""
+    _, s0, s1, u0, u1 = c
+    lo, hi = u0 * lay.B, u1 * lay.B
+    inside = rows[(rows >= lo) & (rows < hi)] - lo  # [G']
+    per_seq = hi - lo
+    return (torch.arange(s1 - s0, device=rows.device)[:, None] * per_seq + inside).view(-1)
 
 
 class _BlockedAttention(torch.autograd.Function):
     """softmax(Q K^T * scale + bias) V over the block layout, with a hand-written backward.
 
-    q, k, v: [S, n, d] (S = b*h sequences); bias [b|1, nqb, B, L+R]; live [b|1, nqb, B];
-    extra [nqb, R] long (clamped positions) or None; rows [G] long: query rows that
-    attend every key instead (global queries) with their bias rbias [b|1, G, n], or None.
+    q, k, v: [S, n, d] (S = b*h sequences); bias [b|1, nqb, B, L] and bias_x [b|1, nqb, B, R]
+    (None without extras); live [b|1, nqb, B];
+    ex: the extra keys (``ExtraKeys``) or None; rows [G] long: query rows that attend every
+    key instead (global queries) with their bias rbias [b|1, G, n], or None.
     Returns [S, n, dv].
 
     The window keys (a strided view) and the extra keys (a small gather) are two parts of
-    one softmax: each part's softmax is computed on its own and the two are weighted by
-    exp(lse_part - lse), the flash-attention merge, so no [.., L+R] buffer or key copy is
-    made and extra keys cost O(R) per query. The forward keeps no probabilities, only the
-    part weights [T, B, parts]; the backward recomputes each part's softmax. Dense rows are
-    computed after the blocks and written over theirs; their part weights are set to 0,
-    so the blocked backward gives them nothing and no [S, n, d] copy or sum is made.
+    one softmax: the window's softmax is computed on its own and merged with the extras'
+    exponentials by the log-sum-exp (the flash-attention merge): P_window = w * softmax,
+    P_extra = exp(s_extra - lse), w = exp(lse_window - lse). So no [.., L+R] buffer or key
+    copy is made and extra keys cost O(R) per query plus one pass over the chunk's output.
+    The forward keeps no probabilities, only (w, lse) per query [T, B, 2]; the backward
+    recomputes them. Dense rows are computed after the blocks and written over theirs;
+    the backward zeroes their rows of the recomputed blocked probabilities, so the blocked
+    part gives them no gradient and no [S, n, d] copy or sum is made. Their own
+    probabilities (G x n per sequence) are kept for the backward when G <=
+    ``_KEEP_ROWS_MAX``.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, bias, live, extra, lay: _Layout, scale: float, p: float,
+    def forward(ctx, q, k, v, bias, bias_x, live, ex, lay: _Layout, scale: float, p: float,
                 seed: int, rows=None, rbias=None):
         B, nqb = lay.B, lay.nqb
-        inside = _within_sequences(lay, bias)
+        inside = _within_sequences(lay)
         qr = _QueryRows(lay, q, inside)  # q as blocks [T,B,d], uncopied where it can be
         qp = qr.seq  # [S,np,d]
         kr, vr = _KeyRows.of(lay, k, inside), _KeyRows.of(lay, v, inside)  # in the layout
         ks, vs = kr.seq, vr.seq  # [S,np,d]
         out = q.new_empty(lay.T, B, v.shape[-1])  # [T,B,dv]
-        parts = 1 if extra is None else 2
-        # each query's own key in its block's window (a likely large p for _softmax_lse)
+        # each query's own key in its block's window (a likely large p for _window_lse)
         own = lay.P if lay.P + B <= lay.L else None
-        weights = None if extra is None and rows is None else q.new_ones(lay.T, B, parts)
-        for ci, c in enumerate(_chunks(lay, bias)):
+        stats = None if ex is None else q.new_empty(lay.T, B, 2)  # (w, lse) per query
+        for ci, c in enumerate(_chunks(lay, bias.shape[0])):
             t0, t1 = _span(lay, c)
-            keys = [x for x in _keys(lay, kr, extra, c) if x is not None]
-            vals = [x for x in _keys(lay, vr, extra, c) if x is not None]
-            probs, w = _part_probs(_scores(lay, bias, qr, keys, c, scale), own)
+            xk, xv = (None, None) if ex is None else (ex.keys(kr, c), ex.keys(vr, c))
+            s, sx = _scores(lay, (bias, bias_x), qr.blocks(t0, t1),
+                            kr.window_t(t0, t1).transpose(1, 2), ex, xk, c, scale)
+            prob = torch.softmax(s, dim=-1)  # [Tc,B,L]
             o = out[t0:t1]
-            for j, (prob, vpart) in enumerate(zip(probs, vals, strict=True)):
+            if ex is not None:
+                assert sx is not None and xv is not None and stats is not None
+                st = stats[t0:t1]
+                lse_w = _window_lse(s, prob, own)  # [Tc,B,1]
+                lse = torch.logsumexp(torch.cat([lse_w, sx], -1), -1, keepdim=True)  # joint
+                st[..., :1] = lse_w.sub_(lse).exp_()  # w: the window's share
+                st[..., 1:] = lse
+                px = sx.sub_(lse).exp_()  # the extras' joint probabilities [Tc,B,R]
+            del s
+            if p > 0:
+                prob.mul_(_dropout_mask(prob, p, seed, 2 * ci))
+            torch.bmm(prob, vr.window_t(t0, t1).transpose(1, 2), out=o)
+            del prob
+            if ex is not None:  # o = w * P_window V_window + P_extra V_extra
                 if p > 0:
-                    prob.mul_(_dropout_mask(prob, p, seed, 2 * ci + j))
-                if j == 0:
-                    torch.bmm(prob, vpart, out=o)
-                else:  # o = w_0 * P_0 V_0 + w_j * P_j V_j
-                    assert w is not None
-                    o.mul_(w[..., :1]).baddbmm_(prob.mul_(w[..., j : j + 1]), vpart)
-            if w is not None:
-                assert weights is not None
-                weights[t0:t1] = w
-            del probs, prob  # the loop variable too: else 3 score buffers live at once
+                    px.mul_(_dropout_mask(px, p, seed, 2 * ci + 1))
+                o.mul_(st[..., :1])
+                ex.mm(o, px, xv, transpose=False, alpha=1.0, beta=1.0)
+        rprob = rkeep = None  # the dense rows' probabilities, kept for the backward
         if rows is not None:
-            assert weights is not None
-            dense = _dense_rows(qp, ks, vs, rows, rbias, lay, scale, p, seed)[0]
+            dense, prob_rows, keep_rows = _dense_rows(qp, ks, vs, rows, rbias, lay, scale, p,
+                                                      seed)
             out.view(lay.S, lay.np, -1)[:, rows] = dense
-            weights.view(lay.S, lay.np, -1)[:, rows] = 0  # no blocked gradient for them
+            if rows.shape[0] <= _KEEP_ROWS_MAX:
+                rprob, rkeep = prob_rows, keep_rows
             live = live.clone()  # a dense row lives if it has any allowed key
             live.view(live.shape[0], -1)[:, rows] = (rbias > _neg(rbias.dtype) / 2).any(-1)
         ctx.all_live = bool(live.all())
         if not ctx.all_live:  # rows with no allowed key (softmax over NEG only) -> 0
             out.view(live.shape[0], -1, nqb, B, out.shape[-1]).mul_(live[:, None, ..., None])
-        ctx.save_for_backward(qp, kr.x, vr.x, out, weights, bias, live, extra, rows, rbias)
-        ctx.cfg = (lay, scale, p, seed, kr.form, vr.form, inside)
+        ctx.save_for_backward(qp, kr.x, vr.x, out, stats, bias, bias_x, live, rows, rbias,
+                              rprob, rkeep)
+        ctx.cfg = (lay, scale, p, seed, kr.form, vr.form, inside, ex, rprob is not None)
         res = out.view(lay.S, lay.np, -1)
         return res[:, : lay.n] if lay.np != lay.n else res
 
     @staticmethod
     def backward(ctx, grad):
-        qp, kx, vx, out, weights, bias, live, extra, rows, rbias = ctx.saved_tensors
-        lay, scale, p, seed, kform, vform, inside = ctx.cfg
+        qp, kx, vx, out, stats, bias, bias_x, live, rows, rbias, rprob, rkeep = ctx.saved_tensors
+        lay, scale, p, seed, kform, vform, inside, ex, kept = ctx.cfg
         kr, vr = _KeyRows(lay, kx, kform), _KeyRows(lay, vx, vform)
         qr = _QueryRows(lay, qp, inside)
         B = lay.B
@@ -412,48 +411,66 @@ class _BlockedAttention(torch.autograd.Function):
         gr = _QueryRows(lay, grad, inside)  # dO as blocks, uncopied where it can be
         delta = (gr.seq * out.view(lay.S, lay.np, -1)).sum(-1, keepdim=True)  # rowsum(P*dP)
         delta = delta.view(lay.T, B, 1)  # [T,B,1]
-        ks, vs = kr.seq, vr.seq  # [S,np,d]
         dq = qp.new_empty(lay.T, B, qp.shape[-1])  # [T,B,d]
         dkv = kx.new_zeros(2, lay.rows, kx.shape[-1])  # [2,rows,d]: dK and dV, padded
         dkvs = lay.seq_view(dkv[0]), lay.seq_view(dkv[1])  # [S,np,d] views
-        for ci, c in enumerate(_chunks(lay, bias)):
+        for ci, c in enumerate(_chunks(lay, bias.shape[0])):
             t0, t1 = _span(lay, c)
-            keys = [x for x in _keys(lay, kr, extra, c) if x is not None]
-            vals = [x for x in _keys(lay, vr, extra, c) if x is not None]
-            scores = _scores(lay, bias, qr, keys, c, scale)
-            q = qr.blocks(t0, t1)  # [Tc,B,d]
-            for j, (kpart, vpart) in enumerate(zip(keys, vals, strict=True)):
-                prob = torch.softmax(scores.pop(0), dim=-1)  # recomputed [Tc,B,L|R]
-                # The joint probabilities are w_j * prob: fold w_j into dO and delta.
-                g, d0 = gr.blocks(t0, t1), delta[t0:t1]  # [Tc,B,dv] [Tc,B,1]
-                if weights is not None:
-                    wj = weights[t0:t1, :, j : j + 1]  # [Tc,B,1]
-                    g, d0 = g * wj, d0 * wj
-                dprob = torch.bmm(g, vpart.transpose(1, 2))  # [Tc,B,L|R]
+            q, g, d0 = qr.blocks(t0, t1), gr.blocks(t0, t1), delta[t0:t1]  # [Tc,B,d|dv|1]
+            kwin = kr.window_t(t0, t1).transpose(1, 2)  # [Tc,L,d]
+            xk, xv = (None, None) if ex is None else (ex.keys(kr, c), ex.keys(vr, c))
+            s, sx = _scores(lay, (bias, bias_x), q, kwin, ex, xk, c, scale)
+            prob = torch.softmax(s, dim=-1)  # recomputed [Tc,B,L]
+            del s
+            dense = None if rows is None else _chunk_rows(lay, rows, c)
+            if dense is not None:  # dense rows: their gradient comes from their own part
+                prob.view(-1, prob.shape[-1]).index_fill_(0, dense, 0.0)
+            gw, dw = g, d0  # P_window = w * prob: fold w into dO and delta
+            if ex is not None:
+                assert sx is not None and xk is not None and xv is not None
+                st = stats[t0:t1]
+                gw, dw = g * st[..., :1], d0 * st[..., :1]
+            dprob = torch.bmm(gw, vr.window_t(t0, t1))  # [Tc,B,L]
+            pv = prob  # the probabilities that multiplied V
+            if p > 0:
+                pv = _dropout_mask(prob, p, seed, 2 * ci)
+                dprob.mul_(pv)
+                pv.mul_(prob)
+            _add_window_grads(lay, dkv[1], c, pv, gw)
+            del pv
+            ds = dprob.sub_(dw).mul_(prob)  # dS without the scale
+            del prob
+            torch.baddbmm(dq[t0:t1], ds, kwin, beta=0, alpha=scale, out=dq[t0:t1])
+            _add_window_grads(lay, dkv[0], c, ds, q, alpha=scale)
+            del ds, dprob, gw, dw
+            if ex is not None:  # the extras' joint probabilities, recomputed
+                px = sx.sub_(st[..., 1:]).exp_()  # [Tc,B,R]
+                if dense is not None:
+                    px.view(-1, px.shape[-1]).index_fill_(0, dense, 0.0)
+                dpx = px.new_empty(px.shape)
+                ex.mm(dpx, g, xv, transpose=True, alpha=1.0, beta=0.0)
+                pvx = px
                 if p > 0:
-                    keep = _dropout_mask(prob, p, seed, 2 * ci + j)
-                    dprob.mul_(keep)
-                    keep.mul_(prob)  # the dropped-out probabilities
-                    _add_key_grads(lay, dkv[1], dkvs[1], extra, c, j, keep, g)
-                    del keep
-                else:
-                    _add_key_grads(lay, dkv[1], dkvs[1], extra, c, j, prob, g)
-                ds = dprob.sub_(d0).mul_(prob)  # dS without the scale
-                del prob
-                torch.baddbmm(dq[t0:t1], ds, kpart, beta=1 if j else 0, alpha=scale,
-                              out=dq[t0:t1])
-                _add_key_grads(lay, dkv[0], dkvs[0], extra, c, j, ds, q, alpha=scale)
-                del ds, dprob
+                    pvx = _dropout_mask(px, p, seed, 2 * ci + 1)
+                    dpx.mul_(pvx)
+                    pvx.mul_(px)
+                ex.add_grads(dkvs[1], c, pvx, g, alpha=1.0)
+                dsx = dpx.sub_(d0).mul_(px)
+                ex.mm(dq[t0:t1], dsx, xk, transpose=False, alpha=scale, beta=1.0)
+                ex.add_grads(dkvs[0], c, dsx, q, alpha=scale)
         n = lay.n
         dq = dq.view(lay.S, lay.np, -1)
         if rows is not None:
-            _dense_rows_backward(qp, ks, vs, rows, rbias, lay, scale, p, seed,
-                                 gr.seq, delta.view(lay.S, lay.np, 1),
-                                 dq, dkvs)
+            _dense_rows_backward(qp, kr.seq, vr.seq, rows, rbias, lay, scale, p, seed,
+                                 gr.seq, delta.view(lay.S, lay.np, 1), dq, dkvs,
+                                 (rprob, rkeep) if kept else None)
         return (dq[:, :n], dkvs[0][:, :n], dkvs[1][:, :n], None, None, None, None, None,
-                None, None, None, None)
+                None, None, None, None, None)
 
 
+# Dense rows whose probabilities [S, G, n] the forward keeps for the backward (G x n per
+# sequence: at most a quarter of a [S, n, d] tensor for d = 64); more are recomputed.
+_KEEP_ROWS_MAX = 16
 _ROWS_CHUNK = 1 << 30  # dropout-mask id of the dense rows (chunk ids count from 0)
 
 
@@ -470,10 +487,14 @@ def _dense_rows(qp, ks, vs, rows, rbias, lay: _Layout, scale: float, p: float, s
 
 
 def _dense_rows_backward(qp, ks, vs, rows, rbias, lay: _Layout, scale: float, p: float,
-                         seed: int, go, delta, dq, dkvs) -> None:
-    """Adjoint of ``_dense_rows``: writes dQ of the rows, adds into dK and dV [S, np, d]."""
+                         seed: int, go, delta, dq, dkvs, kept=None) -> None:
+    """Adjoint of ``_dense_rows``: writes dQ of the rows, adds into dK and dV [S, np, d].
+    ``kept``: the forward's (probabilities, keep-mask), else they are recomputed."""
     n = lay.n
-    _, prob, keep = _dense_rows(qp, ks, vs, rows, rbias, lay, scale, p, seed)
+    if kept is None:
+        _, prob, keep = _dense_rows(qp, ks, vs, rows, rbias, lay, scale, p, seed)
+    else:
+        prob, keep = kept
     g = go[:, rows]  # [S,G,dv]
     dprob = torch.bmm(g, vs[:, :n].transpose(1, 2))  # [S,G,n]
     pk = prob if keep is None else prob * keep
@@ -521,16 +542,17 @@ def blocked_attention(
         raise ValueError(f"window width {width} must be a multiple of the block {block}")
     if v.shape[-1] != d:
         raise ValueError(f"blocked attention needs v's head dim ({v.shape[-1]}) == d ({d})")
-    bias, live = build_block_bias(
+    bias, bias_x, live = build_block_bias(
         n, block, left, width, pattern, extra, key_mask, causal, q.dtype, q.device,
         key=pattern_key,
     )
-    lay = _Layout(n, block, left, width, b * h)
-    xi = None if extra is None or extra.shape[-1] == 0 else extra.clamp(0, n - 1).to(q.device)
+    lay = _Layout(n, block, left, width, b * h, 0 if bias_x is None else bias_x.shape[-1])
+    ex = (None if extra is None or extra.shape[-1] == 0
+          else ExtraKeys(extra.clamp(0, n - 1).to(q.device)))
     seed = int(torch.randint(0, 2**31 - 1, ())) if dropout > 0 else 0
     out = _BlockedAttention.apply(
         q.reshape(b * h, n, d), k.reshape(b * h, n, d), v.reshape(b * h, n, v.shape[-1]),
-        bias, live, xi, lay, scale, dropout, seed, rows,
+        bias, bias_x, live, ex, lay, scale, dropout, seed, rows,
         None if rows is None else row_bias(rows, n, key_mask, causal, q.dtype),
     )
     return out.reshape(b, h, n, -1)
