@@ -16,6 +16,7 @@ import torch
 
 import attnlab
 from attnlab.core import RegistryError, resolve_config
+from attnlab.mechanisms import _blocklayout
 from attnlab.mechanisms import _blocksparse as bs
 
 NEG_INF = float("-inf")
@@ -235,7 +236,7 @@ def test_blocked_path_without_padding_or_dead_rows(causal):
 @pytest.mark.parametrize("chunk", [4000, 20_000, 1 << 22])  # part of a head, heads, all
 @pytest.mark.parametrize("padded", [True, False])  # chunks per batch element / across it
 def test_blocked_chunking_is_invisible(chunk, padded, monkeypatch):
-    monkeypatch.setattr(bs, "CHUNK_ELEMS", chunk)
+    monkeypatch.setattr(_blocklayout, "CHUNK_ELEMS", chunk)
     mech = build("longformer(window=9, global_tokens=[1])", heads=3)
     q, k, v = _qkv(N_FAST, h=3, seed=5)
     lengths = torch.tensor([N_FAST, 200, 40] if padded else [N_FAST] * 3)
@@ -490,7 +491,7 @@ N_BLOCKS = 5 * bs.DEFAULT_BLOCK  # a multiple of the query block: K and V need n
 ])
 def test_keys_without_padded_copy_match_reference(spec, layout, b, chunk, form, masked,
                                                    monkeypatch):
-    monkeypatch.setattr(bs, "CHUNK_ELEMS", chunk)
+    monkeypatch.setattr(_blocklayout, "CHUNK_ELEMS", chunk)
     forms = []
     real_of = bs._KeyRows.of
 

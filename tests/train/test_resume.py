@@ -131,7 +131,7 @@ def test_resume_refuses_another_chunk_size(tmp_path, monkeypatch):
     """A checkpoint records ATTNLAB_CHUNK_ELEMS (the sparse patterns' dropout masks are
     drawn per chunk); resuming under another value is a one-line error naming the fix."""
     from attnlab.config import ConfigError
-    from attnlab.mechanisms import _blocksparse as bs
+    from attnlab.mechanisms import chunk_elems
     from attnlab.train.checkpoint import STATE_FILE, TrainerState, check_chunking
     from attnlab.train.loop import MetricsLog, start_state
 
@@ -140,7 +140,7 @@ def test_resume_refuses_another_chunk_size(tmp_path, monkeypatch):
 
     log = MetricsLog(tmp_path / "metrics.jsonl", True)
     fresh = start_state(_Acc(), tmp_path, log, False, 10)
-    assert fresh.chunk_elems == bs.CHUNK_ELEMS
+    assert fresh.chunk_elems == chunk_elems()
     ckpt = tmp_path / "step-00000001"
     ckpt.mkdir()
     (ckpt / STATE_FILE).write_text(json.dumps({"step": 1, "chunk_elems": 4096}))

@@ -7,7 +7,7 @@ mechanism (or a whole family file) touches that file only.
 import pkgutil
 from importlib import import_module
 
-from . import _blocksparse, _flex
+from . import _blocklayout, _flex
 
 FAMILIES = sorted(
     m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_")
@@ -20,12 +20,12 @@ for _family in FAMILIES:
 def chunk_elems() -> int:
     """Scores per chunk of the blocked engine (``ATTNLAB_CHUNK_ELEMS``, read at import):
     sparse patterns draw their attention-dropout masks per chunk."""
-    return _blocksparse.CHUNK_ELEMS
+    return _blocklayout.CHUNK_ELEMS
 
 
 def chunk_elems_error() -> str | None:
     """Why ``ATTNLAB_CHUNK_ELEMS`` could not be used (one line naming the fix), or None."""
-    return _blocksparse.CHUNK_ENV_ERROR
+    return _blocklayout.CHUNK_ENV_ERROR
 
 
 def compiled_flex_attention():

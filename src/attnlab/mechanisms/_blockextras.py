@@ -20,7 +20,7 @@ class ExtraKeys:
 
     def keys(self, src: Any, c) -> torch.Tensor:
         """Extra keys (or values) of chunk c from ``src``, the engine's key rows
-        (``_blocksparse._KeyRows``: ``src.seq`` [S, np, d]): [hc, R, d] if shared, else
+        (``_blocklayout._KeyRows``: ``src.seq`` [S, np, d]): [hc, R, d] if shared, else
         [Tc, R, d] (a small gather)."""
         _, s0, s1, u0, u1 = c
         if self.shared:
