@@ -131,7 +131,7 @@ def test_resume_refuses_another_chunk_size(tmp_path, monkeypatch):
     """A checkpoint records ATTNLAB_CHUNK_ELEMS (the sparse patterns' dropout masks are
     drawn per chunk); resuming under another value is a one-line error naming the fix."""
     from attnlab.config import ConfigError
-    from attnlab.mechanisms import chunk_elems
+    from attnlab.mechanisms import _blocklayout, chunk_elems
     from attnlab.train.checkpoint import STATE_FILE, TrainerState, check_chunking
     from attnlab.train.loop import MetricsLog, start_state
 
@@ -144,7 +144,7 @@ def test_resume_refuses_another_chunk_size(tmp_path, monkeypatch):
     ckpt = tmp_path / "step-00000001"
     ckpt.mkdir()
     (ckpt / STATE_FILE).write_text(json.dumps({"step": 1, "chunk_elems": 4096}))
-    monkeypatch.setattr(bs, "CHUNK_ELEMS", 8192)
+    monkeypatch.setattr(_blocklayout, "CHUNK_ELEMS", 8192)
     with pytest.raises(ConfigError, match=r"ATTNLAB_CHUNK_ELEMS=4096, this process has 8192: "
                                           r"set ATTNLAB_CHUNK_ELEMS=4096"):
         check_chunking(TrainerState(step=1, chunk_elems=4096), ckpt)
