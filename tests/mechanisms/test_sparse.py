@@ -188,9 +188,19 @@ KEY_LISTS = [
 ]
 
 
+@pytest.fixture(params=["flash", "explicit"])
+def engine(request, monkeypatch):
+    """The blocked engine's window part: torch's CPU flash kernels (``_blockflash``, used
+    without attention dropout), or the explicit path that dropout takes."""
+    from attnlab.mechanisms import _blockflash
+
+    monkeypatch.setattr(_blockflash, "ENABLED", request.param == "flash")
+    return request.param
+
+
 @pytest.mark.parametrize("spec", FAST + KEY_LISTS)
 @pytest.mark.parametrize("causal", [False, True])
-def test_blocked_path_matches_reference(spec, causal):
+def test_blocked_path_matches_reference(spec, causal, engine):
     """The fast path (the blocked engine; the gathered one for per-query key lists) equals
     autograd through the dense masked reference to 1e-5 (fp32), outputs and gradients,
     with padding, a fully masked sequence and the causal rule, and it ran."""
@@ -201,11 +211,15 @@ def test_blocked_path_matches_reference(spec, causal):
     lengths = torch.tensor([N_FAST, 170, 0])  # full, padded, fully masked
     key_mask = torch.arange(N_FAST)[None, :] < lengths[:, None]
     c = attnlab.AttnContext(key_mask=key_mask, causal=causal, layer_idx=2)
-    engine = ((sparse._gathered, "gathered_attention", _gathered.gathered_attention)
-              if spec in KEY_LISTS else (bs, "blocked_attention", bs.blocked_attention))
-    with mock.patch.object(engine[0], engine[1], wraps=engine[2]) as spy:
+    from attnlab.mechanisms import _blockflash
+
+    path = ((sparse._gathered, "gathered_attention", _gathered.gathered_attention)
+            if spec in KEY_LISTS else (bs, "blocked_attention", bs.blocked_attention))
+    with (mock.patch.object(path[0], path[1], wraps=path[2]) as spy,
+          mock.patch.object(_blockflash, "forward", wraps=_blockflash.forward) as flash):
         out = mech(q, k, v, c).out
-    assert spy.called, f"the {engine[1]} path did not run"
+    assert spy.called, f"the {path[1]} path did not run"
+    assert flash.called == (engine == "flash" and spec not in KEY_LISTS)
     bias = mech.bias(N_FAST, N_FAST, layer_idx=2)
     ref, _ = attnlab.reference_attention(q, k, v, bias=bias, key_mask=key_mask, causal=causal)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
@@ -218,7 +232,7 @@ def test_blocked_path_matches_reference(spec, causal):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_blocked_path_without_padding_or_dead_rows(causal):
+def test_blocked_path_without_padding_or_dead_rows(causal, engine):
     """n a multiple of the query block and no key mask: the path that skips row masking."""
     n = 5 * bs.DEFAULT_BLOCK
     mech = build("band(window=7)")
@@ -235,7 +249,7 @@ def test_blocked_path_without_padding_or_dead_rows(causal):
 
 @pytest.mark.parametrize("chunk", [4000, 20_000, 1 << 22])  # part of a head, heads, all
 @pytest.mark.parametrize("padded", [True, False])  # chunks per batch element / across it
-def test_blocked_chunking_is_invisible(chunk, padded, monkeypatch):
+def test_blocked_chunking_is_invisible(chunk, padded, monkeypatch, engine):
     monkeypatch.setattr(_blocklayout, "CHUNK_ELEMS", chunk)
     mech = build("longformer(window=9, global_tokens=[1])", heads=3)
     q, k, v = _qkv(N_FAST, h=3, seed=5)
@@ -255,7 +269,7 @@ def test_blocked_chunking_is_invisible(chunk, padded, monkeypatch):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_global_row_with_a_padded_window_still_attends_the_real_keys(causal):
+def test_global_row_with_a_padded_window_still_attends_the_real_keys(causal, engine):
     """Query 150 is global; in a sequence of 100 real tokens its window and its own key
     are padding, yet as a global row it attends keys 0-99 (the reference's semantics)."""
     mech = build("longformer(window=2, global_tokens=[150])")
@@ -357,7 +371,7 @@ def _engine(p: float, causal: bool, extra: str | None, rows: bool = False):
     (0.0, False, "shared", False), (0.0, True, None, False), (0.3, False, None, False),
     (0.3, True, "shared", False), (0.0, False, "shared", True), (0.0, True, None, True),
     (0.3, True, "shared", True), (0.0, False, "block", False), (0.3, True, "block", True)])
-def test_blocked_backward_gradcheck(p, causal, extra, rows):
+def test_blocked_backward_gradcheck(p, causal, extra, rows, engine):
     fn, n = _engine(p, causal, extra, rows)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(4, n, 3, generator=g, dtype=torch.float64).requires_grad_()
@@ -490,7 +504,7 @@ N_BLOCKS = 5 * bs.DEFAULT_BLOCK  # a multiple of the query block: K and V need n
     ("transposed", 2, 4000, "flat", True),  # b > 1: reshape to [b*h, n, d] copies
 ])
 def test_keys_without_padded_copy_match_reference(spec, layout, b, chunk, form, masked,
-                                                   monkeypatch):
+                                                   monkeypatch, engine):
     monkeypatch.setattr(_blocklayout, "CHUNK_ELEMS", chunk)
     forms = []
     real_of = bs._KeyRows.of

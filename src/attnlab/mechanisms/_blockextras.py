@@ -52,3 +52,32 @@ class ExtraKeys:
         idx = self.pos[u0:u1].reshape(-1)
         gx = torch.bmm(a.transpose(1, 2), b)  # [Tc,R,d]
         seq[s0:s1].index_add_(1, idx, gx.view(s1 - s0, idx.shape[0], -1), alpha=alpha)
+
+    def scores(self, bias_x: torch.Tensor, q: torch.Tensor, xk: torch.Tensor, c,
+               scale: float) -> torch.Tensor:
+        """bias + scale * Q K^T of chunk c against the extra keys: [Tc, B, R] (fresh);
+        bias_x [b|1, nqb, B, R], q [Tc, B, d], xk from ``keys``."""
+        gi, s0, s1, u0, u1 = c
+        sx = bias_x[gi, u0:u1].repeat(s1 - s0, 1, 1)  # a fresh copy [Tc,B,R]
+        self.mm(sx, q, xk, transpose=True, alpha=scale, beta=1.0)
+        return sx
+
+    def backward(self, c, px: torch.Tensor, g: torch.Tensor, q: torch.Tensor,
+                 delta: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, dq: torch.Tensor,
+                 dkvs: tuple[torch.Tensor, torch.Tensor], scale: float,
+                 keep: torch.Tensor | None = None) -> None:
+        """The extra keys' part of the backward for chunk c: px [Tc, B, R] their joint
+        probabilities (recomputed; overwritten), g = dO and delta = rowsum(dO * O) of the
+        chunk's rows; adds into dq [Tc, B, d] (the chunk's rows) and dK, dV ``dkvs``
+        ([S, np, d] each). ``keep``: the attention-dropout keep-mask / (1 - p) of the
+        forward, or None."""
+        dpx = px.new_empty(px.shape)  # dO V_extra^T [Tc,B,R]
+        self.mm(dpx, g, xv, transpose=True, alpha=1.0, beta=0.0)
+        pv = px  # the probabilities that multiplied V
+        if keep is not None:
+            dpx.mul_(keep)
+            pv = keep.mul_(px)
+        self.add_grads(dkvs[1], c, pv, g, alpha=1.0)
+        ds = dpx.sub_(delta).mul_(px)  # dS without the scale
+        self.mm(dq, ds, xk, transpose=False, alpha=scale, beta=1.0)
+        self.add_grads(dkvs[0], c, ds, q, alpha=scale)

@@ -45,6 +45,7 @@ from collections.abc import Hashable
 
 import torch
 
+from . import _blockflash
 from ._blockbias import Pattern, _neg, build_block_bias, row_bias
 from ._blockextras import ExtraKeys
 from ._blocklayout import (
@@ -103,9 +104,7 @@ def _scores(lay: _Layout, bias: tuple[torch.Tensor, torch.Tensor | None], q: tor
     if ex is None:
         return s, None
     assert xk is not None and bias[1] is not None
-    sx = bias[1][gi, u0:u1].repeat(s1 - s0, 1, 1)  # [Tc,B,R]
-    ex.mm(sx, q, xk, transpose=True, alpha=scale, beta=1.0)
-    return s, sx
+    return s, ex.scores(bias[1], q, xk, c, scale)
 
 
 def _window_lse(s: torch.Tensor, p: torch.Tensor, own: int | None) -> torch.Tensor:
@@ -150,22 +149,22 @@ class _BlockedAttention(torch.autograd.Function):
     """softmax(Q K^T * scale + bias) V over the block layout, with a hand-written backward.
 
     q, k, v: [S, n, d] (S = b*h sequences); bias [b|1, nqb, B, L] and bias_x [b|1, nqb, B, R]
-    (None without extras); live [b|1, nqb, B];
-    ex: the extra keys (``ExtraKeys``) or None; rows [G] long: query rows that attend every
-    key instead (global queries) with their bias rbias [b|1, G, n], or None.
-    Returns [S, n, dv].
+    (None without extras); live [b|1, nqb, B]; ex: the extra keys (``ExtraKeys``) or None;
+    rows [G] long: query rows that attend every key instead (global queries) with their
+    bias rbias [b|1, G, n], or None. Returns [S, n, dv].
 
     The window keys (a strided view) and the extra keys (a small gather) are two parts of
-    one softmax: the window's softmax is computed on its own and merged with the extras'
+    one softmax: the window's is computed on its own (by torch's CPU flash kernels,
+    ``_blockflash``, or explicitly, ``_explicit_forward``) and merged with the extras'
     exponentials by the log-sum-exp (the flash-attention merge): P_window = w * softmax,
     P_extra = exp(s_extra - lse), w = exp(lse_window - lse). So no [.., L+R] buffer or key
     copy is made and extra keys cost O(R) per query plus one pass over the chunk's output.
-    The forward keeps no probabilities, only (w, lse) per query [T, B, 2]; the backward
-    recomputes them. Dense rows are computed after the blocks and written over theirs;
-    the backward zeroes their rows of the recomputed blocked probabilities, so the blocked
-    part gives them no gradient and no [S, n, d] copy or sum is made. Their own
-    probabilities (G x n per sequence) are kept for the backward when G <=
-    ``_KEEP_ROWS_MAX``.
+    The forward keeps no probabilities, only per query the joint lse (flash) or (w, lse)
+    (explicit); the backward recomputes them. Dense rows are computed after the blocks and
+    written over theirs; the backward gives them no blocked gradient (their lse is
+    ``_blockflash.NO_ROW``, or their rows of the recomputed probabilities are zeroed), so
+    no [S, n, d] copy or sum is made. Their own probabilities (G x n per sequence) are kept
+    for the backward when G <= ``_KEEP_ROWS_MAX``.
     """
 
     @staticmethod
@@ -178,39 +177,20 @@ class _BlockedAttention(torch.autograd.Function):
         kr, vr = _KeyRows.of(lay, k, inside), _KeyRows.of(lay, v, inside)  # in the layout
         ks, vs = kr.seq, vr.seq  # [S,np,d]
         out = q.new_empty(lay.T, B, v.shape[-1])  # [T,B,dv]
-        # each query's own key in its block's window (a likely large p for _window_lse)
-        own = lay.P if lay.P + B <= lay.L else None
-        stats = None if ex is None else q.new_empty(lay.T, B, 2)  # (w, lse) per query
-        for ci, c in enumerate(_chunks(lay, bias.shape[0])):
-            t0, t1 = _span(lay, c)
-            xk, xv = (None, None) if ex is None else (ex.keys(kr, c), ex.keys(vr, c))
-            s, sx = _scores(lay, (bias, bias_x), qr.blocks(t0, t1),
-                            kr.window_t(t0, t1).transpose(1, 2), ex, xk, c, scale)
-            prob = torch.softmax(s, dim=-1)  # [Tc,B,L]
-            o = out[t0:t1]
-            if ex is not None:
-                assert sx is not None and xv is not None and stats is not None
-                st = stats[t0:t1]
-                lse_w = _window_lse(s, prob, own)  # [Tc,B,1]
-                lse = torch.logsumexp(torch.cat([lse_w, sx], -1), -1, keepdim=True)  # joint
-                st[..., :1] = lse_w.sub_(lse).exp_()  # w: the window's share
-                st[..., 1:] = lse
-                px = sx.sub_(lse).exp_()  # the extras' joint probabilities [Tc,B,R]
-            del s
-            if p > 0:
-                prob.mul_(_dropout_mask(prob, p, seed, 2 * ci))
-            torch.bmm(prob, vr.window_t(t0, t1).transpose(1, 2), out=o)
-            del prob
-            if ex is not None:  # o = w * P_window V_window + P_extra V_extra
-                if p > 0:
-                    px.mul_(_dropout_mask(px, p, seed, 2 * ci + 1))
-                o.mul_(st[..., :1])
-                ex.mm(o, px, xv, transpose=False, alpha=1.0, beta=1.0)
+        flash = _blockflash.usable(q, p)
+        stats: torch.Tensor | None  # the joint lse per query (flash), or (w, lse) with extras
+        if flash:
+            stats = _blockflash.forward(lay, qr, kr, vr, bias, bias_x, ex, out, scale)
+        else:
+            stats = _explicit_forward(lay, qr, kr, vr, bias, bias_x, ex, out, scale, p, seed)
         rprob = rkeep = None  # the dense rows' probabilities, kept for the backward
         if rows is not None:
             dense, prob_rows, keep_rows = _dense_rows(qp, ks, vs, rows, rbias, lay, scale, p,
                                                       seed)
             out.view(lay.S, lay.np, -1)[:, rows] = dense
+            if flash:
+                assert stats is not None
+                stats.view(lay.S, lay.np)[:, rows] = _blockflash.NO_ROW
             if rows.shape[0] <= _KEEP_ROWS_MAX:
                 rprob, rkeep = prob_rows, keep_rows
             live = live.clone()  # a dense row lives if it has any allowed key
@@ -220,14 +200,15 @@ class _BlockedAttention(torch.autograd.Function):
             out.view(live.shape[0], -1, nqb, B, out.shape[-1]).mul_(live[:, None, ..., None])
         ctx.save_for_backward(qp, kr.x, vr.x, out, stats, bias, bias_x, live, rows, rbias,
                               rprob, rkeep)
-        ctx.cfg = (lay, scale, p, seed, kr.form, vr.form, inside, ex, rprob is not None)
+        ctx.cfg = (lay, scale, p, seed, kr.form, vr.form, inside, ex, rprob is not None,
+                   flash)
         res = out.view(lay.S, lay.np, -1)
         return res[:, : lay.n] if lay.np != lay.n else res
 
     @staticmethod
     def backward(ctx, grad):
         qp, kx, vx, out, stats, bias, bias_x, live, rows, rbias, rprob, rkeep = ctx.saved_tensors
-        lay, scale, p, seed, kform, vform, inside, ex, kept = ctx.cfg
+        lay, scale, p, seed, kform, vform, inside, ex, kept, flash = ctx.cfg
         kr, vr = _KeyRows(lay, kx, kform), _KeyRows(lay, vx, vform)
         qr = _QueryRows(lay, qp, inside)
         B = lay.B
@@ -235,63 +216,115 @@ class _BlockedAttention(torch.autograd.Function):
             grad = lay.pad_queries(grad).view(live.shape[0], -1, lay.nqb, B, grad.shape[-1])
             grad = (grad * live[:, None, ..., None]).view(lay.S, lay.np, -1)
         gr = _QueryRows(lay, grad, inside)  # dO as blocks, uncopied where it can be
-        delta = (gr.seq * out.view(lay.S, lay.np, -1)).sum(-1, keepdim=True)  # rowsum(P*dP)
-        delta = delta.view(lay.T, B, 1)  # [T,B,1]
+        out_seq = out.view(lay.S, lay.np, -1)
+        delta = None  # rowsum(dO * O) [T,B,1] (the flash kernel takes its own)
+        if not flash or ex is not None:
+            delta = (gr.seq * out_seq).sum(-1, keepdim=True).view(lay.T, B, 1)
         dq = qp.new_empty(lay.T, B, qp.shape[-1])  # [T,B,d]
         dkv = kx.new_zeros(2, lay.rows, kx.shape[-1])  # [2,rows,d]: dK and dV, padded
         dkvs = lay.seq_view(dkv[0]), lay.seq_view(dkv[1])  # [S,np,d] views
-        for ci, c in enumerate(_chunks(lay, bias.shape[0])):
-            t0, t1 = _span(lay, c)
-            q, g, d0 = qr.blocks(t0, t1), gr.blocks(t0, t1), delta[t0:t1]  # [Tc,B,d|dv|1]
-            kwin = kr.window_t(t0, t1).transpose(1, 2)  # [Tc,L,d]
-            xk, xv = (None, None) if ex is None else (ex.keys(kr, c), ex.keys(vr, c))
-            s, sx = _scores(lay, (bias, bias_x), q, kwin, ex, xk, c, scale)
-            prob = torch.softmax(s, dim=-1)  # recomputed [Tc,B,L]
-            del s
-            dense = None if rows is None else _chunk_rows(lay, rows, c)
-            if dense is not None:  # dense rows: their gradient comes from their own part
-                prob.view(-1, prob.shape[-1]).index_fill_(0, dense, 0.0)
-            gw, dw = g, d0  # P_window = w * prob: fold w into dO and delta
-            if ex is not None:
-                assert sx is not None and xk is not None and xv is not None
-                st = stats[t0:t1]
-                gw, dw = g * st[..., :1], d0 * st[..., :1]
-            dprob = torch.bmm(gw, vr.window_t(t0, t1))  # [Tc,B,L]
-            pv = prob  # the probabilities that multiplied V
-            if p > 0:
-                pv = _dropout_mask(prob, p, seed, 2 * ci)
-                dprob.mul_(pv)
-                pv.mul_(prob)
-            _add_window_grads(lay, dkv[1], c, pv, gw)
-            del pv
-            ds = dprob.sub_(dw).mul_(prob)  # dS without the scale
-            del prob
-            torch.baddbmm(dq[t0:t1], ds, kwin, beta=0, alpha=scale, out=dq[t0:t1])
-            _add_window_grads(lay, dkv[0], c, ds, q, alpha=scale)
-            del ds, dprob, gw, dw
-            if ex is not None:  # the extras' joint probabilities, recomputed
-                px = sx.sub_(st[..., 1:]).exp_()  # [Tc,B,R]
-                if dense is not None:
-                    px.view(-1, px.shape[-1]).index_fill_(0, dense, 0.0)
-                dpx = px.new_empty(px.shape)
-                ex.mm(dpx, g, xv, transpose=True, alpha=1.0, beta=0.0)
-                pvx = px
-                if p > 0:
-                    pvx = _dropout_mask(px, p, seed, 2 * ci + 1)
-                    dpx.mul_(pvx)
-                    pvx.mul_(px)
-                ex.add_grads(dkvs[1], c, pvx, g, alpha=1.0)
-                dsx = dpx.sub_(d0).mul_(px)
-                ex.mm(dq[t0:t1], dsx, xk, transpose=False, alpha=scale, beta=1.0)
-                ex.add_grads(dkvs[0], c, dsx, q, alpha=scale)
+        if flash:
+            _blockflash.backward(lay, qr, kr, vr, gr, out, stats, bias, bias_x, ex, delta,
+                                 scale, dq, dkv, dkvs)
+        else:
+            assert delta is not None
+            _explicit_backward(lay, qr, kr, vr, gr, stats, bias, bias_x, ex, rows, delta,
+                               scale, p, seed, dq, dkv, dkvs)
         n = lay.n
         dq = dq.view(lay.S, lay.np, -1)
         if rows is not None:
+            delta_rows = ((gr.seq[:, rows] * out_seq[:, rows]).sum(-1, keepdim=True)
+                          if delta is None else delta.view(lay.S, lay.np, 1)[:, rows])
             _dense_rows_backward(qp, kr.seq, vr.seq, rows, rbias, lay, scale, p, seed,
-                                 gr.seq, delta.view(lay.S, lay.np, 1), dq, dkvs,
-                                 (rprob, rkeep) if kept else None)
+                                 gr.seq, delta_rows, dq, dkvs, (rprob, rkeep) if kept else None)
         return (dq[:, :n], dkvs[0][:, :n], dkvs[1][:, :n], None, None, None, None, None,
                 None, None, None, None, None)
+
+
+def _explicit_forward(lay: _Layout, qr: _QueryRows, kr: _KeyRows, vr: _KeyRows,
+                      bias: torch.Tensor, bias_x: torch.Tensor | None, ex: ExtraKeys | None,
+                      out: torch.Tensor, scale: float, p: float, seed: int
+                      ) -> torch.Tensor | None:
+    """The forward's chunk loop with the scores in hand (attention dropout, or no flash
+    kernel): fills out [T, B, dv]; returns (w, lse) per query [T, B, 2] with extra keys."""
+    B = lay.B
+    q = qr.seq
+    # each query's own key in its block's window (a likely large p for _window_lse)
+    own = lay.P if lay.P + B <= lay.L else None
+    stats = None if ex is None else q.new_empty(lay.T, B, 2)  # (w, lse) per query
+    for ci, c in enumerate(_chunks(lay, bias.shape[0])):
+        t0, t1 = _span(lay, c)
+        xk, xv = (None, None) if ex is None else (ex.keys(kr, c), ex.keys(vr, c))
+        s, sx = _scores(lay, (bias, bias_x), qr.blocks(t0, t1),
+                        kr.window_t(t0, t1).transpose(1, 2), ex, xk, c, scale)
+        prob = torch.softmax(s, dim=-1)  # [Tc,B,L]
+        o = out[t0:t1]
+        if ex is not None:
+            assert sx is not None and xv is not None and stats is not None
+            st = stats[t0:t1]
+            lse_w = _window_lse(s, prob, own)  # [Tc,B,1]
+            lse = torch.logsumexp(torch.cat([lse_w, sx], -1), -1, keepdim=True)  # joint
+            st[..., :1] = lse_w.sub_(lse).exp_()  # w: the window's share
+            st[..., 1:] = lse
+            px = sx.sub_(lse).exp_()  # the extras' joint probabilities [Tc,B,R]
+        del s
+        if p > 0:
+            prob.mul_(_dropout_mask(prob, p, seed, 2 * ci))
+        torch.bmm(prob, vr.window_t(t0, t1).transpose(1, 2), out=o)
+        del prob
+        if ex is not None:  # o = w * P_window V_window + P_extra V_extra
+            assert xv is not None
+            if p > 0:
+                px.mul_(_dropout_mask(px, p, seed, 2 * ci + 1))
+            o.mul_(st[..., :1])
+            ex.mm(o, px, xv, transpose=False, alpha=1.0, beta=1.0)
+    return stats
+
+
+def _explicit_backward(lay: _Layout, qr: _QueryRows, kr: _KeyRows, vr: _KeyRows,
+                       gr: _QueryRows, stats: torch.Tensor | None, bias: torch.Tensor,
+                       bias_x: torch.Tensor | None, ex: ExtraKeys | None, rows,
+                       delta: torch.Tensor, scale: float, p: float, seed: int,
+                       dq: torch.Tensor, dkv: torch.Tensor,
+                       dkvs: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """The backward's chunk loop of ``_explicit_forward``: writes dq [T, B, d], adds into
+    dK, dV (``dkv`` [2, rows, d], ``dkvs`` their [S, np, d] views)."""
+    for ci, c in enumerate(_chunks(lay, bias.shape[0])):
+        t0, t1 = _span(lay, c)
+        q, g, d0 = qr.blocks(t0, t1), gr.blocks(t0, t1), delta[t0:t1]  # [Tc,B,d|dv|1]
+        kwin = kr.window_t(t0, t1).transpose(1, 2)  # [Tc,L,d]
+        xk, xv = (None, None) if ex is None else (ex.keys(kr, c), ex.keys(vr, c))
+        s, sx = _scores(lay, (bias, bias_x), q, kwin, ex, xk, c, scale)
+        prob = torch.softmax(s, dim=-1)  # recomputed [Tc,B,L]
+        del s
+        dense = None if rows is None else _chunk_rows(lay, rows, c)
+        if dense is not None:  # dense rows: their gradient comes from their own part
+            prob.view(-1, prob.shape[-1]).index_fill_(0, dense, 0.0)
+        gw, dw = g, d0  # P_window = w * prob: fold w into dO and delta
+        if ex is not None:
+            assert sx is not None and xk is not None and xv is not None and stats is not None
+            st = stats[t0:t1]
+            gw, dw = g * st[..., :1], d0 * st[..., :1]
+        dprob = torch.bmm(gw, vr.window_t(t0, t1))  # [Tc,B,L]
+        pv = prob  # the probabilities that multiplied V
+        if p > 0:
+            pv = _dropout_mask(prob, p, seed, 2 * ci)
+            dprob.mul_(pv)
+            pv.mul_(prob)
+        _add_window_grads(lay, dkv[1], c, pv, gw)
+        del pv
+        ds = dprob.sub_(dw).mul_(prob)  # dS without the scale
+        del prob
+        torch.baddbmm(dq[t0:t1], ds, kwin, beta=0, alpha=scale, out=dq[t0:t1])
+        _add_window_grads(lay, dkv[0], c, ds, q, alpha=scale)
+        del ds, dprob, gw, dw
+        if ex is not None:  # the extras' joint probabilities, recomputed
+            assert sx is not None and xk is not None and xv is not None
+            px = sx.sub_(st[..., 1:]).exp_()  # [Tc,B,R]
+            if dense is not None:
+                px.view(-1, px.shape[-1]).index_fill_(0, dense, 0.0)
+            ex.backward(c, px, g, q, d0, xk, xv, dq[t0:t1], dkvs, scale,
+                        _dropout_mask(px, p, seed, 2 * ci + 1) if p > 0 else None)
 
 
 # Dense rows whose probabilities [S, G, n] the forward keeps for the backward (G x n per
@@ -314,7 +347,8 @@ def _dense_rows(qp, ks, vs, rows, rbias, lay: _Layout, scale: float, p: float, s
 
 def _dense_rows_backward(qp, ks, vs, rows, rbias, lay: _Layout, scale: float, p: float,
                          seed: int, go, delta, dq, dkvs, kept=None) -> None:
-    """Adjoint of ``_dense_rows``: writes dQ of the rows, adds into dK and dV [S, np, d].
+    """Adjoint of ``_dense_rows``: writes dQ of the rows, adds into dK and dV [S, np, d];
+    delta [S, G, 1]: rowsum(dO * O) of the rows.
     ``kept``: the forward's (probabilities, keep-mask), else they are recomputed."""
     n = lay.n
     if kept is None:
@@ -327,7 +361,7 @@ def _dense_rows_backward(qp, ks, vs, rows, rbias, lay: _Layout, scale: float, p:
     if keep is not None:
         dprob.mul_(keep)
     dkvs[1][:, :n].baddbmm_(pk.transpose(1, 2), g)
-    ds = dprob.sub_(delta[:, rows]).mul_(prob)  # dS without the scale
+    ds = dprob.sub_(delta).mul_(prob)  # dS without the scale
     dq[:, rows] = torch.bmm(ds, ks[:, :n]).mul_(scale)
     dkvs[0][:, :n].baddbmm_(ds.transpose(1, 2), qp[:, rows], alpha=scale)
 
