@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from . import _blocklayout
 from ._blockextras import ExtraKeys
 from ._blocklayout import _chunks, _KeyRows, _Layout, _QueryRows, _span
 
@@ -34,6 +35,10 @@ _BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_back
 ENABLED = True
 # The log-sum-exp given to dense rows: exp(score - NO_ROW) is 0 for every finite score.
 NO_ROW = 1e30
+# The backward's chunks are this many times smaller than the forward's (they need not
+# match: no dropout masks to redraw): the kernel returns each window's dK and dV, two
+# [Tc, L, d] buffers, which at the forward's chunk size raised band(128)'s peak by ~8 MB.
+BACKWARD_CHUNK_DIV = 4
 
 
 def usable(q: torch.Tensor, p: float) -> bool:
@@ -98,7 +103,7 @@ def backward(lay: _Layout, qr: _QueryRows, kr: _KeyRows, vr: _KeyRows, gr: _Quer
     delta [T, B, 1] = rowsum(dO * O), needed with extra keys only."""
     assert _BWD is not None
     B, L = lay.B, lay.L
-    for c in _chunks(lay, bias.shape[0]):
+    for c in _chunks(lay, bias.shape[0], _blocklayout.CHUNK_ELEMS // BACKWARD_CHUNK_DIV):
         gi, s0, s1, u0, u1 = c
         t0, t1 = _span(lay, c)
         q4 = _views(lay, qr, c, False)

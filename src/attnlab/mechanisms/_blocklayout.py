@@ -163,24 +163,28 @@ class _QueryRows:
         return rows.view(t1 - t0, lay.B, rows.shape[-1])
 
 
-def _within_sequences(lay: _Layout) -> bool:
-    """Whether ``_chunks`` cuts inside sequences (a sequence holds more than a chunk)."""
-    return lay.nqb * lay.B * lay.W > CHUNK_ELEMS
+def _within_sequences(lay: _Layout, elems: int | None = None) -> bool:
+    """Whether ``_chunks`` cuts inside sequences (a sequence holds more than a chunk of
+    ``elems`` scores, CHUNK_ELEMS by default)."""
+    return lay.nqb * lay.B * lay.W > (CHUNK_ELEMS if elems is None else elems)
 
 
-def _chunks(lay: _Layout, groups: int):
+def _chunks(lay: _Layout, groups: int, elems: int | None = None):
     """(gi, s0, s1, u0, u1): whole sequences s0..s1 of bias group gi, or blocks u0..u1 of
-    one sequence. A group is a batch element when the bias depends on it (key mask), else
-    all b*h sequences form one group (``groups`` = 1)."""
+    one sequence, about ``elems`` scores each (CHUNK_ELEMS by default; a smaller value
+    only cuts finer, which every row form of a layout built for CHUNK_ELEMS allows). A
+    group is a batch element when the bias depends on it (key mask), else all b*h
+    sequences form one group (``groups`` = 1)."""
+    elems = CHUNK_ELEMS if elems is None else elems
     nqb = lay.nqb
     per_group, per_block = lay.S // groups, lay.B * lay.W
-    if not _within_sequences(lay):
-        sc = max(1, CHUNK_ELEMS // (nqb * per_block))
+    if not _within_sequences(lay, elems):
+        sc = max(1, elems // (nqb * per_block))
         for gi in range(groups):
             for s0 in range(gi * per_group, (gi + 1) * per_group, sc):
                 yield gi, s0, min(s0 + sc, (gi + 1) * per_group), 0, nqb
     else:
-        uc = max(1, CHUNK_ELEMS // per_block)
+        uc = max(1, elems // per_block)
         for gi in range(groups):
             for s in range(gi * per_group, (gi + 1) * per_group):
                 for u0 in range(0, nqb, uc):
