@@ -95,12 +95,11 @@ def forward(lay: _Layout, qr: _QueryRows, kr: _KeyRows, vr: _KeyRows, bias: torc
 
 def backward(lay: _Layout, qr: _QueryRows, kr: _KeyRows, vr: _KeyRows, gr: _QueryRows,
              out: torch.Tensor, lse_all: torch.Tensor, bias: torch.Tensor,
-             bias_x: torch.Tensor | None, ex: ExtraKeys | None, delta: torch.Tensor | None,
-             scale: float, dq: torch.Tensor, dkv: torch.Tensor,
+             bias_x: torch.Tensor | None, ex: ExtraKeys | None, scale: float,
+             dq: torch.Tensor, dkv: torch.Tensor,
              dkvs: tuple[torch.Tensor, torch.Tensor]) -> None:
     """Writes dq [T, B, d] and adds into dK, dV (``dkv`` [2, rows, d] in the flat layout,
-    ``dkvs`` their [S, np, d] views). out: the forward's output [T, B, dv] (joint);
-    delta [T, B, 1] = rowsum(dO * O), needed with extra keys only."""
+    ``dkvs`` their [S, np, d] views). out: the forward's output [T, B, dv] (joint)."""
     assert _BWD is not None
     B, L = lay.B, lay.L
     for c in _chunks(lay, bias.shape[0], _blocklayout.CHUNK_ELEMS // BACKWARD_CHUNK_DIV):
@@ -117,10 +116,13 @@ def backward(lay: _Layout, qr: _QueryRows, kr: _KeyRows, vr: _KeyRows, gr: _Quer
             gx = gx.reshape(t1 - t0, L // B, B, -1)
             for o in range(L // B):
                 blocks[t0 + o : t1 + o].add_(gx[:, o])
-        if ex is not None:
-            assert bias_x is not None and delta is not None
-            q = qr.blocks(t0, t1)
-            xk, xv = ex.keys(kr, c), ex.keys(vr, c)
-            px = ex.scores(bias_x, q, xk, c, scale).sub_(lse_all[t0:t1]).exp_()  # [Tc,B,R]
-            ex.backward(c, px, gr.blocks(t0, t1), q, delta[t0:t1], xk, xv, dq[t0:t1], dkvs,
-                        scale)
+    if ex is None:
+        return
+    assert bias_x is not None
+    for c in _chunks(lay, bias.shape[0]):  # the extra keys' part, in the forward's chunks
+        t0, t1 = _span(lay, c)  # (bigger: their ops are small, their count is what costs)
+        q, g = qr.blocks(t0, t1), gr.blocks(t0, t1)
+        delta = (g * out[t0:t1]).sum(-1, keepdim=True)  # rowsum(dO * O) [Tc,B,1]
+        xk, xv = ex.keys(kr, c), ex.keys(vr, c)
+        px = ex.scores(bias_x, q, xk, c, scale).sub_(lse_all[t0:t1]).exp_()  # [Tc,B,R]
+        ex.backward(c, px, g, q, delta, xk, xv, dq[t0:t1], dkvs, scale)

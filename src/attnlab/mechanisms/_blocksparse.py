@@ -25,11 +25,16 @@ Speed notes (2-core CPU, fp32; see docs/benchmarks.md and docs/benchmarks-histor
   the output's gradient are read in place the same way (``_QueryRows``).
 * The work runs in chunks of whole blocks (~CHUNK_ELEMS scores) so intermediate scores
   stay in cache. The forward keeps no probabilities (flash-attention style); the
-  hand-written backward (``_BlockedAttention``) recomputes them chunk by chunk; the
-  window's dK and dV are L/B GEMMs per chunk, each accumulating into the B key rows of
-  one shifted slice in place (no [Tc, L, d] gradient buffer: 118 MB instead of 148 MB
-  for band(128) forward+backward at n = 4096, 12 heads; 98 MB with 1 Mi-score chunks,
-  62 MB without copies of K, V, q and dO).
+  hand-written backward (``_BlockedAttention``) recomputes them chunk by chunk.
+* Without attention dropout, on the CPU, each chunk's windows go through torch's fused
+  flash-attention kernels (``_blockflash``: the windows as strided key views, the bias as
+  a mask); band(128) forward+backward at n = 4096 took 10-15% less time that way
+  (docs/benchmarks-history.md, "The window on torch's CPU flash kernels"). Otherwise
+  (``_explicit_forward``) the scores are built per chunk and the window's dK and dV are
+  L/B GEMMs, each accumulating into the B key rows of one shifted slice in place (no
+  [Tc, L, d] gradient buffer: 118 MB instead of 148 MB for band(128) forward+backward at
+  n = 4096, 12 heads; 98 MB with 1 Mi-score chunks, 62 MB without copies of K, V, q and
+  dO).
 * Window and extra keys are two parts of one softmax merged by their log-sum-exp, never
   one [.., L+R] buffer: a GEMM into a column slice falls back to one small GEMM per block,
   and copying the keys into one operand costs a pass over the window per chunk. Extra
@@ -217,15 +222,15 @@ class _BlockedAttention(torch.autograd.Function):
             grad = (grad * live[:, None, ..., None]).view(lay.S, lay.np, -1)
         gr = _QueryRows(lay, grad, inside)  # dO as blocks, uncopied where it can be
         out_seq = out.view(lay.S, lay.np, -1)
-        delta = None  # rowsum(dO * O) [T,B,1] (the flash kernel takes its own)
-        if not flash or ex is not None:
+        delta = None  # rowsum(dO * O) [T,B,1] (the flash path takes it per chunk)
+        if not flash:
             delta = (gr.seq * out_seq).sum(-1, keepdim=True).view(lay.T, B, 1)
         dq = qp.new_empty(lay.T, B, qp.shape[-1])  # [T,B,d]
         dkv = kx.new_zeros(2, lay.rows, kx.shape[-1])  # [2,rows,d]: dK and dV, padded
         dkvs = lay.seq_view(dkv[0]), lay.seq_view(dkv[1])  # [S,np,d] views
         if flash:
-            _blockflash.backward(lay, qr, kr, vr, gr, out, stats, bias, bias_x, ex, delta,
-                                 scale, dq, dkv, dkvs)
+            _blockflash.backward(lay, qr, kr, vr, gr, out, stats, bias, bias_x, ex, scale, dq,
+                                 dkv, dkvs)
         else:
             assert delta is not None
             _explicit_backward(lay, qr, kr, vr, gr, stats, bias, bias_x, ex, rows, delta,
