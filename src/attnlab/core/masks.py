@@ -128,20 +128,6 @@ def strided_key_list(n: int, stride: int) -> tuple[torch.Tensor, torch.Tensor]:
     return idx.clamp(0, n - 1), ok
 
 
-@functools.lru_cache(maxsize=16)
-def fixed_key_list(n: int, stride: int, summary: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``fixed_pattern`` as keys: the query's own block of l, then the last c positions of
-    every other block."""
-    i = torch.arange(n)[:, None]
-    own = (i // stride) * stride + torch.arange(stride)  # [n, l]
-    cols = torch.arange(n)
-    cols = cols[cols.remainder(stride) >= stride - summary]  # [S] summary positions
-    other = cols[None, :].expand(n, -1)  # [n, S]
-    idx = torch.cat([own.clamp(max=n - 1), other], dim=1)
-    ok = torch.cat([own < n, other // stride != i // stride], dim=1)
-    return idx, ok
-
-
 def strided_pattern(n: int, m: int, stride: int) -> torch.Tensor:
     """Sparse Transformer strided: |i - j| < l or (i - j) % l == 0."""
     i, j = positions(n, m)

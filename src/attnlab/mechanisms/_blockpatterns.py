@@ -1,6 +1,7 @@
 """The sparse families' calls into the blocked engine (``_blocksparse.blocked_attention``):
-a local window with global tokens (band, Longformer, BigBird, star, global tokens) and a
-dilated window (the sequence split into interleaved subsequences)."""
+a local window with global tokens (band, Longformer, BigBird, star, global tokens), a
+dilated window (the sequence split into interleaved subsequences) and Sparse Transformer's
+fixed pattern (its own block plus shared summary columns)."""
 
 from __future__ import annotations
 
@@ -89,3 +90,35 @@ def dilated_attention(
     )  # [b*r,h,n/r,dv]
     out = out.view(b, r, h, n2 // r, -1).permute(0, 2, 3, 1, 4).reshape(b, h, n2, -1)
     return out[:, :, :n]
+
+
+def fixed_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    stride: int,
+    summary: int,
+    key_mask: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+    dropout: float,
+) -> torch.Tensor:
+    """Sparse Transformer's fixed pattern, i // l == j // l or j % l >= l - c, as the query's
+    own block of l keys (its window) plus the summary columns (the last c positions of every
+    block) as extra keys that every query block shares: O(n * (l + c n / l)) work."""
+    n = q.shape[2]
+    l, c = stride, summary
+    qblock = l * -(-bs.DEFAULT_BLOCK // l)  # a multiple of the pattern's block
+
+    def pattern(i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+        # the own block without its summary columns (those come as extra keys)
+        return (i // l == j // l) & (j.remainder(l) < l - c)
+
+    cols = torch.arange(n, device=q.device)
+    cols = cols[cols.remainder(l) >= l - c]  # [R] summary positions
+    return bs.blocked_attention(
+        q, k, v, block=qblock, left=0, width=qblock, pattern=pattern,
+        extra=cols.expand(-(-n // qblock), -1), key_mask=key_mask, causal=causal,
+        scale=scale, dropout=dropout, pattern_key=("sparse_fixed", l, c, qblock),
+    )

@@ -44,7 +44,6 @@ from ..core.masks import (
     block_layout_to_pattern,
     block_local_pattern,
     dilated_pattern,
-    fixed_key_list,
     fixed_pattern,
     global_pattern,
     positions,
@@ -541,10 +540,11 @@ class SparseTransformer(nn.Module):
 
     Paper: Child, Gray, Radford, Sutskever, "Generating Long Sequences with Sparse
     Transformers", arXiv 2019. Formula: strided |i - j| < l or (i - j) % l == 0; fixed
-    i // l == j // l or j % l >= l - c. Complexity: O(n*(l + n/l)) time and memory, the
-    keys of each query on the gathered engine from ``DENSE_FALLBACK_MAX_LEN`` keys on
-    (O(n*sqrt(n)) at l ~ sqrt(n), as the paper's kernels); the dense masked reference below
-    it. Deviation: the two factorized
+    i // l == j // l or j % l >= l - c. Complexity: O(n*(l + n/l)) time and memory from
+    ``DENSE_FALLBACK_MAX_LEN`` keys on (O(n*sqrt(n)) at l ~ sqrt(n), as the paper's
+    kernels): strided on the gathered engine (the keys of each query), fixed on the blocked
+    engine (the own block as the window, the summary columns as keys every block shares);
+    the dense masked reference below it. Deviation: the two factorized
     patterns are merged into one head (the paper's "merged" variant) and are bidirectional
     unless ``ctx.causal``.
     """
@@ -558,9 +558,15 @@ class SparseTransformer(nn.Module):
     def __init__(self, cfg: SparseTransformerConfig, dims: HeadDims) -> None:
         super().__init__()
         self.cfg, self.dims = cfg, dims
-        self._fast = _key_list_path(
-            (lambda n, _: strided_key_list(n, cfg.stride)) if cfg.mode == "strided"
-            else (lambda n, _: fixed_key_list(n, cfg.stride, cfg.summary)))
+        self._fast: FastPath = (
+            _key_list_path(lambda n, _: strided_key_list(n, cfg.stride))
+            if cfg.mode == "strided" else self._fixed)
+
+    def _fixed(self, q, k, v, ctx: AttnContext, scale: float, p: float) -> torch.Tensor:
+        return bp.fixed_attention(
+            q, k, v, stride=self.cfg.stride, summary=self.cfg.summary, key_mask=ctx.key_mask,
+            causal=ctx.causal, scale=scale, dropout=p,
+        )
 
     def bias(self, n: int, m: int, layer_idx: int = 0) -> torch.Tensor:
         c = self.cfg
