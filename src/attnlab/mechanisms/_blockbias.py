@@ -39,8 +39,8 @@ def build_block_bias(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Additive biases (0 / NEG) of the window [b|1, nqb, B, L] and of the extra keys
     [b|1, nqb, B, R] (None without extras), each contiguous (the engine copies a chunk of
-    each per step: a strided copy out of one [.., L+R] tensor took about 40% longer), and
-    the live rows [b|1, nqb, B] (bool).
+    each per step, and a strided copy out of one [.., L+R] tensor is slower), and the live
+    rows [b|1, nqb, B] (bool).
 
     ``pattern(i, j)`` gets query positions i [nqb, B, 1] and window key positions
     j [nqb, 1, L] and returns which pairs the pattern allows inside the window. Extra keys
