@@ -180,12 +180,17 @@ def test_fast_threshold_is_above_test_length():
     assert not bs.use_blocked(N_FAST, N_FAST + 1, need_weights=False)
 
 
-# per-query key lists (random, sparse_transformer's strided mode): the gathered engine
+# per-query key lists (random): the gathered engine
 KEY_LISTS = [
     "random(num_random=5, seed=3)",
     "random(num_random=0)",
+]
+# sparse_transformer's strided mode: two block patterns in two orders merged by lse
+# (``_blockunion``) on the flash kernels, else (dropout) per-query key lists
+UNION = [
     "sparse_transformer(mode='strided', stride=7)",
     "sparse_transformer(mode='strided', stride=64)",
+    "sparse_transformer(mode='strided', stride=16)",
 ]
 
 
@@ -199,7 +204,7 @@ def engine(request, monkeypatch):
     return request.param
 
 
-@pytest.mark.parametrize("spec", FAST + KEY_LISTS)
+@pytest.mark.parametrize("spec", FAST + UNION + KEY_LISTS)
 @pytest.mark.parametrize("causal", [False, True])
 def test_blocked_path_matches_reference(spec, causal, engine):
     """The fast path (the blocked engine; the gathered one for per-query key lists) equals
@@ -212,10 +217,14 @@ def test_blocked_path_matches_reference(spec, causal, engine):
     lengths = torch.tensor([N_FAST, 170, 0])  # full, padded, fully masked
     key_mask = torch.arange(N_FAST)[None, :] < lengths[:, None]
     c = attnlab.AttnContext(key_mask=key_mask, causal=causal, layer_idx=2)
-    from attnlab.mechanisms import _blockflash
+    from attnlab.mechanisms import _blockflash, _blockpatterns
 
-    path = ((sparse._gathered, "gathered_attention", _gathered.gathered_attention)
-            if spec in KEY_LISTS else (bs, "blocked_attention", bs.blocked_attention))
+    if spec in KEY_LISTS or (spec in UNION and engine == "explicit"):
+        path = (sparse._gathered, "gathered_attention", _gathered.gathered_attention)
+    elif spec in UNION:
+        path = (_blockpatterns, "union_attention", _blockpatterns.union_attention)
+    else:
+        path = (bs, "blocked_attention", bs.blocked_attention)
     with (mock.patch.object(path[0], path[1], wraps=path[2]) as spy,
           mock.patch.object(_blockflash, "forward", wraps=_blockflash.forward) as flash):
         out = mech(q, k, v, c).out
@@ -376,6 +385,25 @@ def test_blocked_backward_gradcheck(p, causal, extra, rows, engine):
     fn, n = _engine(p, causal, extra, rows)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(4, n, 3, generator=g, dtype=torch.float64).requires_grad_()
+               for _ in range(3))
+    assert torch.autograd.gradcheck(fn, (q, k, v), fast_mode=True)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_union_backward_gradcheck(causal):
+    """The strided pattern's two parts merged by log-sum-exp (``_blockunion``): float64
+    gradcheck with padding (n not a multiple of the stride) and a padded sequence."""
+    from attnlab.mechanisms import _blockpatterns
+
+    n = 23
+    key_mask = torch.arange(n)[None, :] < torch.tensor([n, 12])[:, None]
+
+    def fn(q, k, v):
+        return _blockpatterns.strided_attention(q, k, v, stride=5, key_mask=key_mask,
+                                                causal=causal, scale=0.4)
+
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, 2, n, 3, generator=g, dtype=torch.float64).requires_grad_()
                for _ in range(3))
     assert torch.autograd.gradcheck(fn, (q, k, v), fast_mode=True)
 

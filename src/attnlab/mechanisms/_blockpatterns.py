@@ -1,13 +1,15 @@
 """The sparse families' calls into the blocked engine (``_blocksparse.blocked_attention``):
 a local window with global tokens (band, Longformer, BigBird, star, global tokens), a
 dilated window (the sequence split into interleaved subsequences) and Sparse Transformer's
-fixed pattern (its own block plus shared summary columns)."""
+fixed pattern (its own block plus shared summary columns) and its strided pattern (a band
+and, in residue-major order, block-local classes: ``_blockunion``)."""
 
 from __future__ import annotations
 
 import torch
 
 from . import _blocksparse as bs
+from ._blockunion import Part, union_attention
 
 
 def local_global_attention(
@@ -122,3 +124,39 @@ def fixed_attention(
         extra=cols.expand(-(-n // qblock), -1), key_mask=key_mask, causal=causal,
         scale=scale, dropout=dropout, pattern_key=("sparse_fixed", l, c, qblock),
     )
+
+
+def strided_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    stride: int,
+    key_mask: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+) -> torch.Tensor:
+    """Sparse Transformer's strided pattern, |i - j| < l or (i - j) % l == 0, as two block
+    patterns merged by log-sum-exp (``_blockunion``): the band |i - j| < l in the sequence's
+    order, and each query's residue class mod l (itself left out) as block-local attention
+    in residue-major order, where a class is C = ceil(n / l) consecutive places. O(n*(l + n/l))
+    work; needs the flash kernels (no attention dropout)."""
+    n, l = q.shape[2], stride
+    C = -(-n // l)  # places per residue class
+    width = bs.window_width(bs.DEFAULT_BLOCK, l - 1, 0 if causal else l - 1)
+
+    def near(i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+        return (i - j).abs() < l
+
+    # residue-major order: place p = a*C + x holds position x*l + a (>= n: padding, which
+    # the key mask covers); a class is one unit of C places
+    perm = torch.arange(C * l, device=q.device).view(C, l).t().reshape(-1)
+    qblock = C * -(-bs.DEFAULT_BLOCK // C)  # a multiple of the class size
+
+    def same_class(i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+        ok = (i // C == j // C) & (i % C != j % C)  # x_j = j % C: position x_j * l + a
+        return ok & (j % C <= i % C) if causal else ok
+
+    own = Part(None, 0, near, bs.DEFAULT_BLOCK, l - 1, width, causal, ("strided_near", l))
+    other = Part(perm, C, same_class, qblock, 0, qblock, False, ("strided_class", C, causal))
+    return union_attention(q, k, v, own, other, key_mask=key_mask, scale=scale)

@@ -53,9 +53,9 @@ from ..core.masks import (
     strided_key_list,
     strided_pattern,
 )
+from . import _blockflash, _flex, _gathered
 from . import _blockpatterns as bp
 from . import _blocksparse as bs
-from . import _flex, _gathered
 
 FAMILY = "sparse"
 SURVEY = "Lin et al. 2021 (survey §3.1.1)"
@@ -558,9 +558,14 @@ class SparseTransformer(nn.Module):
     def __init__(self, cfg: SparseTransformerConfig, dims: HeadDims) -> None:
         super().__init__()
         self.cfg, self.dims = cfg, dims
-        self._fast: FastPath = (
-            _key_list_path(lambda n, _: strided_key_list(n, cfg.stride))
-            if cfg.mode == "strided" else self._fixed)
+        self._key_lists = _key_list_path(lambda n, _: strided_key_list(n, cfg.stride))
+        self._fast: FastPath = self._strided if cfg.mode == "strided" else self._fixed
+
+    def _strided(self, q, k, v, ctx: AttnContext, scale: float, p: float) -> torch.Tensor:
+        if not _blockflash.usable(q, p):  # attention dropout, other dtypes: key lists
+            return self._key_lists(q, k, v, ctx, scale, p)
+        return bp.strided_attention(q, k, v, stride=self.cfg.stride, key_mask=ctx.key_mask,
+                                    causal=ctx.causal, scale=scale)
 
     def _fixed(self, q, k, v, ctx: AttnContext, scale: float, p: float) -> torch.Tensor:
         return bp.fixed_attention(
