@@ -377,16 +377,21 @@ def _engine(p: float, causal: bool, extra: str | None, rows: bool = False):
     return fn, n
 
 
+def _gradcheck(fn, shape: tuple[int, ...], seed: int) -> None:
+    """float64 gradcheck of fn(q, k, v) on random inputs of ``shape``."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(*shape, generator=g, dtype=torch.float64).requires_grad_()
+               for _ in range(3))
+    assert torch.autograd.gradcheck(fn, (q, k, v), fast_mode=True)
+
+
 @pytest.mark.parametrize("p,causal,extra,rows", [
     (0.0, False, "shared", False), (0.0, True, None, False), (0.3, False, None, False),
     (0.3, True, "shared", False), (0.0, False, "shared", True), (0.0, True, None, True),
     (0.3, True, "shared", True), (0.0, False, "block", False), (0.3, True, "block", True)])
 def test_blocked_backward_gradcheck(p, causal, extra, rows, engine):
     fn, n = _engine(p, causal, extra, rows)
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(4, n, 3, generator=g, dtype=torch.float64).requires_grad_()
-               for _ in range(3))
-    assert torch.autograd.gradcheck(fn, (q, k, v), fast_mode=True)
+    _gradcheck(fn, (4, n, 3), seed=0)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -402,20 +407,14 @@ def test_union_backward_gradcheck(causal):
         return _blockpatterns.strided_attention(q, k, v, stride=5, key_mask=key_mask,
                                                 causal=causal, scale=0.4)
 
-    g = torch.Generator().manual_seed(2)
-    q, k, v = (torch.randn(2, 2, n, 3, generator=g, dtype=torch.float64).requires_grad_()
-               for _ in range(3))
-    assert torch.autograd.gradcheck(fn, (q, k, v), fast_mode=True)
+    _gradcheck(fn, (2, 2, n, 3), seed=2)
 
 
 def test_blocked_backward_recomputes_many_dense_rows(monkeypatch):
     """Dense rows beyond ``_KEEP_ROWS_MAX`` are recomputed in the backward, not kept."""
     monkeypatch.setattr(bs, "_KEEP_ROWS_MAX", 1)
     fn, n = _engine(0.3, True, "block", rows=True)
-    g = torch.Generator().manual_seed(1)
-    q, k, v = (torch.randn(4, n, 3, generator=g, dtype=torch.float64).requires_grad_()
-               for _ in range(3))
-    assert torch.autograd.gradcheck(fn, (q, k, v), fast_mode=True)
+    _gradcheck(fn, (4, n, 3), seed=1)
 
 
 @pytest.mark.parametrize("causal", [False, True])
