@@ -167,6 +167,31 @@ def test_ema_kernel_is_the_impulse_response_in_both_directions():
     assert not torch.allclose(k[0], k[1])
 
 
+@pytest.mark.parametrize("n", [1, 2, 7])
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_fft_convolution_backward_is_the_gradient(n, bidirectional):
+    """The hand-written backward of the FFT convolution (it saves x, not x's spectrum)
+    against finite differences in float64, for x and both kernels; and its forward against
+    the direct sums y_t = sum_l k_l x_(t-l) + sum_l kb_l x_(t+l)."""
+    from attnlab.mechanisms._ema import _FFTConv
+
+    g = torch.Generator().manual_seed(n)
+    x, k, kb = (torch.randn(*shape, generator=g, dtype=torch.float64, requires_grad=True)
+                for shape in ((2, 3, n), (3, n), (3, n)))
+    kb_in = kb if bidirectional else None
+    assert torch.autograd.gradcheck(lambda x, k, kb: _FFTConv.apply(x, k, kb),
+                                    (x, k, kb_in))
+    y = _FFTConv.apply(x, k, kb_in)
+    ref = torch.zeros_like(y)
+    for t in range(n):
+        for lag in range(n):
+            if t - lag >= 0:
+                ref[..., t] += k[:, lag] * x[..., t - lag]
+            if bidirectional and t + lag < n:
+                ref[..., t] += kb[:, lag] * x[..., t + lag]
+    torch.testing.assert_close(y, ref, atol=1e-12, rtol=1e-12)
+
+
 def test_step_decoding_equals_the_fft_and_continues_a_prefix():
     torch.manual_seed(2)
     ema = DampedEMA(4, 3)

@@ -116,14 +116,10 @@ class DampedEMA(nn.Module):
         the bidirectional form, which reads the future anyway, keeps the official float32.
         """
         n = x.shape[1]
-        size = 2 * n  # zero padding to 2n: the circular convolution is the linear one
         work = torch.float64 if causal else torch.float32
         k = self.kernel(n).to(work)  # [2,D,n]
-        k_f = torch.fft.rfft(k[FORWARD], n=size)  # [D,n+1]
-        if not causal:  # correlation with the backward kernel: conjugate spectrum
-            k_f = k_f + torch.fft.rfft(k[BACKWARD], n=size).conj()
-        x_f = torch.fft.rfft(x.to(work).transpose(1, 2), n=size)  # [b,D,n+1]
-        y = torch.fft.irfft(x_f * k_f, n=size)[..., :n]  # [b,D,n]
+        y = _FFTConv.apply(x.to(work).transpose(1, 2), k[FORWARD],
+                           None if causal else k[BACKWARD])  # [b,D,n]
         return y.transpose(1, 2).to(x.dtype)  # [b,n,D]
 
     def forward(self, x: torch.Tensor, keep: torch.Tensor | None = None,
@@ -163,3 +159,46 @@ class DampedEMA(nn.Module):
 
     def extra_repr(self) -> str:
         return f"channels={self.channels}, ndim={self.ndim}"
+
+
+class _FFTConv(torch.autograd.Function):
+    """y = k * x (+ the correlation with k' when given) over the last axis, via one real FFT
+    of length 2n, with a hand-written backward that saves x and the kernels' spectrum
+    instead of x's spectrum: autograd through ``rfft -> mul -> irfft`` keeps the complex
+    [b, D, n+1] spectrum of x (twice x's size); here it is recomputed (one more FFT).
+
+    x [b, D, n], k [D, n] (lags 0..n-1, forward: y_t += k_l x_{t-l}), kb [D, n] or None
+    (backward: y_t += kb_l x_{t+l}). With zero padding to 2n the circular convolution by
+    h = irfft(K), K = rfft(k) + conj(rfft(kb)), is the linear one. Backward, with G the
+    spectrum of dy: dx = irfft(G conj(K)) (the adjoint: correlation with h) and
+    dh = irfft(sum_b G conj(X)), of which dk_l = dh_l and dkb_l = dh_(-l mod 2n).
+    """
+
+    @staticmethod
+    def forward(ctx, x, k, kb):
+        n = x.shape[-1]
+        size = 2 * n  # zero padding to 2n: the circular convolution is the linear one
+        k_f = torch.fft.rfft(k, n=size)  # [D,n+1]
+        if kb is not None:  # correlation with the backward kernel: conjugate spectrum
+            k_f = k_f + torch.fft.rfft(kb, n=size).conj()
+        y = torch.fft.irfft(torch.fft.rfft(x, n=size) * k_f, n=size)[..., :n]  # [b,D,n]
+        ctx.save_for_backward(x, k_f)
+        ctx.bidirectional = kb is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, k_f = ctx.saved_tensors
+        n = x.shape[-1]
+        size = 2 * n
+        g_f = torch.fft.rfft(gy, n=size)  # [b,D,n+1]
+        dx = dk = dkb = None
+        if ctx.needs_input_grad[0]:
+            dx = torch.fft.irfft(g_f * k_f.conj(), n=size)[..., :n]
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+            cross = (g_f * torch.fft.rfft(x, n=size).conj()).sum(0)  # [D,n+1]
+            dh = torch.fft.irfft(cross, n=size)  # [D,2n]: lags 0..2n-1 (mod 2n)
+            dk = dh[..., :n]
+            if ctx.bidirectional:  # lag -l: index 0, then 2n-1 down to n+1
+                dkb = torch.cat([dh[..., :1], dh[..., n + 1:].flip(-1)], -1)
+        return dx, dk, dkb

@@ -28,7 +28,6 @@ from ..core import (
     HeadDims,
     MechanismConfig,
     check_qkv,
-    masked_softmax,
     register_mechanism,
 )
 from ._ema import DampedEMA
@@ -190,32 +189,53 @@ class Mega(nn.Module):
         q, k [b, n, z], v [b, n, hv], keep [b, n] bool or None. Returns (O [b, n, hv],
         weights [b, nc, c, c] before dropout), c = min(chunk, n), nc = ceil(n / c); the
         sequence is padded to nc*c with keys that are masked.
+
+        Memory: the chunks are views of q, k, v when c divides n (no padded copies), and the
+        softmax form builds its scores in one ``baddbmm`` (bias included) masked in place,
+        so autograd keeps only the weights and the views (at n = 4096, c = 128 these are
+        [b, 32, 128, 128] buffers, each as large as a [b, n, 128] activation). A softmax row
+        with no allowed key (a padded query in a chunk of padding only) is filled with the
+        dtype's lowest finite value instead of -inf: it gets uniform weights instead of
+        NaN; its output is zeroed by ``forward`` and its weights by ``_dense_map``.
         """
         b, n, _ = q.shape
         c = min(self.cfg.chunk or n, n)
         nc = -(-n // c)
         pad = nc * c - n
 
-        def chunks(x: torch.Tensor) -> torch.Tensor:  # [b,n,e] -> [b,nc,c,e]
-            return F.pad(x, (0, 0, 0, pad)).view(b, nc, c, x.shape[-1])
+        def chunks(x: torch.Tensor) -> torch.Tensor:  # [b,n,e] -> [b*nc,c,e]
+            if pad:
+                x = F.pad(x, (0, 0, 0, pad))
+            return x.reshape(b * nc, c, x.shape[-1])
 
-        kept = torch.ones(b, n, dtype=torch.bool, device=q.device) if keep is None else keep
-        allowed = F.pad(kept, (0, pad)).view(b, nc, 1, c)  # [b,nc,1,c]: keys of each chunk
-        if ctx.causal:
-            allowed = allowed & torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
-        allowed = allowed.expand(b, nc, c, c)  # [b,nc,c,c]
-        scores = chunks(q) @ chunks(k).transpose(-1, -2)  # Q K^T [b,nc,c,c]
-        bias = self.relative_bias(c).to(scores.dtype)  # [c,c]
-        if self.cfg.attention_fn == "softmax":
-            weights = masked_softmax(scores * self.cfg.zdim**-0.5 + bias, allowed)
+        masked = keep is not None or pad > 0 or ctx.causal
+        allowed = None  # [b,nc,1|c,c] bool: the keys each query of a chunk sees
+        if masked:
+            kept = torch.ones(b, n, dtype=torch.bool, device=q.device) if keep is None else keep
+            allowed = F.pad(kept, (0, pad)).view(b, nc, 1, c)  # keys of each chunk
+            if ctx.causal:
+                allowed = allowed & torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+        qc, kc = chunks(q), chunks(k)  # [b*nc,c,z]
+        bias = self.relative_bias(c).to(q.dtype)  # [c,c]
+        if self.cfg.attention_fn == "softmax":  # bias + Q K^T / sqrt(z), one GEMM
+            scores = torch.baddbmm(bias, qc, kc.transpose(1, 2), alpha=self.cfg.zdim**-0.5)
+            scores = scores.view(b, nc, c, c)
+            if allowed is not None:
+                scores.masked_fill_(~allowed, torch.finfo(scores.dtype).min)
+            weights = torch.softmax(scores, dim=-1)  # [b,nc,c,c]
         else:  # laplace, tau = the number of keys the query sees (official normalisation)
-            seen = allowed.sum(-1, keepdim=True).clamp(min=1).to(scores.dtype)  # [b,nc,c,1]
-            weights = laplace(scores / seen + bias) * allowed
+            scores = torch.bmm(qc, kc.transpose(1, 2)).view(b, nc, c, c)  # Q K^T
+            if allowed is None:
+                weights = laplace(scores / c + bias)
+            else:
+                allowed = allowed.expand(b, nc, c, c)
+                seen = allowed.sum(-1, keepdim=True).clamp(min=1).to(scores.dtype)  # [b,nc,c,1]
+                weights = laplace(scores / seen + bias) * allowed
         p = weights
         if self.training and ctx.dropout > 0:
             p = F.dropout(weights, ctx.dropout, training=True)
-        out = (p @ chunks(v)).reshape(b, nc * c, -1)[:, :n]  # [b,n,hv]
-        return out, weights
+        out = torch.bmm(p.view(b * nc, c, c), chunks(v))  # [b*nc,c,hv]
+        return out.view(b, nc * c, -1)[:, :n], weights  # [b,n,hv]
 
     def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
         check_qkv(q, k, v, self.dims)
