@@ -71,6 +71,15 @@ def compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
+@functools.cache
+def compiled_block_mask():
+    """``torch.compile(create_block_mask)``, made once (what ``create_block_mask(...,
+    _compile=True)`` did; that flag is deprecated)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return torch.compile(create_block_mask)
+
+
 def block_mask(
     allowed_fn: Callable[[], torch.Tensor], key: Hashable, n: int, m: int, causal: bool,
     device: torch.device, compile_mask: bool = True,
@@ -89,9 +98,9 @@ def block_mask(
     def mask_mod(b, h, qi, kj):
         return allowed[qi, kj]
 
+    make = compiled_block_mask() if compile_mask else create_block_mask
     with recompile_limit():
-        bm = create_block_mask(mask_mod, None, None, n, m, device=device,
-                               BLOCK_SIZE=FLEX_BLOCK, _compile=compile_mask)
+        bm = make(mask_mod, None, None, n, m, device=device, BLOCK_SIZE=FLEX_BLOCK)
     _MASKS[ck] = bm
     while len(_MASKS) > CACHE_SIZE:
         _MASKS.popitem(last=False)
