@@ -221,6 +221,61 @@ def test_clustered_matches_naive_reference(topk, lengths):
     assert grads[0].abs().sum() > 0  # gradient reaches the queries through the centroids
 
 
+@pytest.mark.parametrize("n,m,lengths", [(13, 13, None), (13, 13, [13, 8, 4]), (9, 11, [11, 6, 2])])
+def test_improved_clustered_without_weights_matches_naive_with_gradients(n, m, lengths):
+    """Without need_weights the top keys go through ``_topkeys.TopKeysAttention`` (its
+    own backward, gathering the keys again): output and gradients of q, k, v against the
+    loops (the same draws)."""
+    mech = build("improved_clustered(clusters=3, bits=8, iterations=4, topk=3)")
+    q, k, v = qkv(n=n, m=m, seed=12, requires_grad=True)
+    mask = None if lengths is None else lengths_mask(m, lengths)
+    res = run(mech, q, k, v, mask, layer=1, need_weights=False)
+    assert res.probs is None
+    assign = naive_assignment(q, mech.draws(n, layer_idx=1), query_valid(mask, 3, n, m), 3, 4)
+    ref, _ = naive_clustered(q, k, v, assign, 3, mask, 3)
+    torch.testing.assert_close(res.out, ref, **TOL)
+    g = torch.randn_like(ref)
+    grads = torch.autograd.grad(res.out, (q, k, v), g)
+    grads_ref = torch.autograd.grad(ref, (q, k, v), g)
+    for a, r in zip(grads, grads_ref, strict=True):
+        torch.testing.assert_close(a, r, **TOL)
+
+
+def test_top_keys_backward_is_the_gradient():
+    """TopKeysAttention against finite differences (float64): q, k, v and the mass, with
+    a disallowed key, a row with none allowed, a repeated key and a dropout keep-mask."""
+    from attnlab.mechanisms._topkeys import TopKeysAttention
+
+    g = torch.Generator().manual_seed(13)
+    q, k, v = (torch.randn(2, 2, s, 3, generator=g, dtype=torch.float64, requires_grad=True)
+               for s in (4, 5, 5))
+    idx = torch.randint(0, 5, (2, 2, 4, 3), generator=g)
+    idx[0, 0, 0] = torch.tensor([1, 1, 2])  # a key twice
+    ok = torch.rand(2, 2, 4, 3, generator=g) > 0.2
+    ok[1, 1, 2] = False  # no allowed key: the row is 0
+    mass = torch.rand(2, 2, 4, 1, generator=g, dtype=torch.float64, requires_grad=True)
+    keep = (torch.rand(2, 2, 4, 3, generator=g) > 0.3).double() / 0.7
+    for kp in (None, keep):
+        assert torch.autograd.gradcheck(
+            lambda q, k, v, mass: TopKeysAttention.apply(q, k, v, idx, ok, mass, 0.7, kp),
+            (q, k, v, mass))
+
+
+def test_improved_clustered_dropout_draws_alike_with_and_without_weights():
+    """In training both branches (weights returned or not) draw the same dropout masks:
+    fresh mechanisms (the same clustering draws), the same torch seed, the same output."""
+    q, k, v = qkv(n=13, seed=14)
+
+    def out(seed, need_weights):
+        mech = build("improved_clustered(clusters=3, bits=8, topk=3)").train()
+        torch.manual_seed(seed)
+        c = attnlab.AttnContext(layer_idx=1, dropout=0.5, need_weights=need_weights)
+        return mech(q, k, v, c).out
+
+    torch.testing.assert_close(out(5, True), out(5, False), atol=1e-6, rtol=1e-6)
+    assert not torch.allclose(out(5, False), out(6, False))  # dropout is on: other masks
+
+
 @pytest.mark.parametrize("name", ["clustered", "improved_clustered"])
 def test_clustered_cross_attention_matches_naive(name):
     """n != m: every query is real; the key mask pads keys only."""

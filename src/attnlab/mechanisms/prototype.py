@@ -35,6 +35,7 @@ from ..core import (
 from ..core.masks import seeded_generator
 from ..core.slicing import over_head_groups
 from ._kmeans import ClusterDraws, cluster_queries, draw_clustering
+from ._topkeys import TopKeysAttention
 from .jat import probsparse_sizes
 
 __all__ = ["ClusterDraws", "cluster_queries", "clustered_attention", "draw_clustering",
@@ -144,7 +145,9 @@ def improved_clustered_attention(
     T_c = the top-k keys of centroid c by Q_c . k_j (unpadded first); m^_c = sum_{j in T_c}
     A_c[j] its mass there. Query i of cluster c: w_ij = m^_c softmax_{j' in T_c}(q_i . k_j'
     * scale)[j] for j in T_c, w_ij = A_c[j] elsewhere; out_i = sum_j w_ij v_j.
-    Memory O(n*k*(d + dv)) for the per-query top-k keys and values.
+    Memory O(n*k*(d + dv)) for the per-query top-k keys and values, kept for the backward
+    only when the weights are returned (else ``_topkeys.TopKeysAttention`` gathers them
+    again in the backward).
     """
     b, h, n, d = q.shape
     m, dv = k.shape[2], v.shape[-1]
@@ -163,17 +166,21 @@ def improved_clustered_attention(
 
     top_i = _broadcast(top, assign)  # T_{c(i)} [b,h,n,k] (key 0 for padded queries)
     flat = top_i.reshape(b, h, n * kk)  # [b,h,n*k]
+    ok = kvalid[:, None, :].expand(b, h, m).gather(2, flat).view(b, h, n, kk)  # [b,h,n,k]
+    mass_i = _broadcast(mass, assign)  # [b,h,n,1]; 0 if no cluster
+    if not need_weights:  # the gathered keys are not kept for the backward (_topkeys)
+        keep = None  # drawn as F.dropout draws its mask (so both branches drop alike)
+        if training and dropout > 0:
+            keep = q.new_empty(b, h, n, kk).bernoulli_(1.0 - dropout).div_(1.0 - dropout)
+        out_top = TopKeysAttention.apply(q, k, v, top_i, ok, mass_i, scale, keep)
+        return out_top + out_bottom, None
     k_top = k.gather(2, flat[..., None].expand(-1, -1, -1, d)).view(b, h, n, kk, d)
     v_top = v.gather(2, flat[..., None].expand(-1, -1, -1, dv)).view(b, h, n, kk, dv)
-    ok = kvalid[:, None, :].expand(b, h, m).gather(2, flat).view(b, h, n, kk)  # [b,h,n,k]
     s_top = torch.einsum("bhnd,bhnkd->bhnk", q, k_top) * scale  # [b,h,n,k]
-    a_top = masked_softmax(s_top, ok) * _broadcast(mass, assign)  # [b,h,n,k]; 0 if no cluster
+    a_top = masked_softmax(s_top, ok) * mass_i  # [b,h,n,k]
     out_top = torch.einsum("bhnk,bhnke->bhne", _drop(a_top, dropout, training), v_top)
-    out = out_top + out_bottom  # [b,h,n,dv]
-    weights = None
-    if need_weights:
-        weights = _broadcast(bottom, assign).scatter_add(-1, top_i, a_top)  # [b,h,n,m]
-    return out, weights
+    weights = _broadcast(bottom, assign).scatter_add(-1, top_i, a_top)  # [b,h,n,m]
+    return out_top + out_bottom, weights
 
 
 # ------------------------------------------------------------------------ clustered
