@@ -356,7 +356,8 @@ def test_gradients_match_the_naive_reference(spec, causal):
         if r is None:  # the causal EMA's backward direction, the unchunked bias' far end
             assert a is None or (a == 0).all(), name
             continue
-        torch.testing.assert_close(a, r, atol=1e-4, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(a, r, atol=1e-4, rtol=1e-4,
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_dropout_applies_to_the_attention_weights_in_training_only():

@@ -257,7 +257,7 @@ def test_top_keys_backward_is_the_gradient():
     keep = (torch.rand(2, 2, 4, 3, generator=g) > 0.3).double() / 0.7
     for kp in (None, keep):
         assert torch.autograd.gradcheck(
-            lambda q, k, v, mass: TopKeysAttention.apply(q, k, v, idx, ok, mass, 0.7, kp),
+            lambda q, k, v, mass, kp=kp: TopKeysAttention.apply(q, k, v, idx, ok, mass, 0.7, kp),
             (q, k, v, mass))
 
 
