@@ -7,14 +7,16 @@ positions also when n != m) and exposes
 ``bias(n, m) -> [1, n, m]`` (0 / -inf) that ``core.reference_attention`` takes.
 
 Paths. Band-like patterns (band, dilated, block_local, longformer, star, global_tokens,
-bigbird) run on the blocked engine (``_blocksparse``) from ``DENSE_FALLBACK_MAX_LEN`` keys
-on: it never builds n x m and trains on CPU. ``random`` and ``sparse_transformer``, whose
-keys differ from query to query, run from the same length on as lists of K keys per query
-on the gathered engine (``_gathered``: O(n*K) time and memory). ``ctx.need_weights``
-(capture) and short
-inputs always take the dense path, which is the reference itself. On CUDA, without dropout
-and from the same length on, every pattern runs on FlexAttention (``_flex``; block-sparse
-kernels, cached masks).
+bigbird) and sparse_transformer (fixed: its own block plus shared summary keys; strided:
+two block orders merged, ``_blockunion``) run on the blocked engine (``_blocksparse``)
+from ``DENSE_FALLBACK_MAX_LEN`` keys on: it never builds n x m and trains on CPU.
+``random``, whose keys differ from query to query, runs from the same length on as lists
+of K keys per query on the gathered engine (``_gathered``: O(n*K) time and memory), as
+does the strided pattern with attention dropout. Short inputs take the dense path: SDPA
+under the pattern's mask (``_maskedsdpa``), or the reference itself when the weights are
+returned (``ctx.need_weights``, capture). On CUDA, without dropout and from the same
+length on, every pattern runs on FlexAttention (``_flex``; block-sparse kernels, cached
+masks).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from ..core.masks import (
 from . import _blockflash, _flex, _gathered
 from . import _blockpatterns as bp
 from . import _blocksparse as bs
+from ._maskedsdpa import masked_sdpa
 
 FAMILY = "sparse"
 SURVEY = "Lin et al. 2021 (survey §3.1.1)"
@@ -79,7 +82,8 @@ class _Pattern(Protocol):
 
 def _run(mech: _Pattern, q, k, v, ctx: AttnContext, fast: FastPath | None) -> AttnOutput:
     """Shared forward: FlexAttention on CUDA, else the blocked fast path when it applies,
-    else dense masked softmax over ``bias`` (the reference itself)."""
+    else dense masked softmax over ``bias``: SDPA (``_maskedsdpa``), or the reference
+    itself when the weights are returned."""
     check_qkv(q, k, v, mech.dims)
     n, m = q.shape[2], k.shape[2]
     scale = ctx.scale_for(q.shape[-1])
@@ -101,11 +105,13 @@ def _run(mech: _Pattern, q, k, v, ctx: AttnContext, fast: FastPath | None) -> At
         i, j = positions(n, m, q.device)
         bias = bias.masked_fill(j > i, float("-inf"))  # [1,n,m]
         causal = False
+    if not ctx.need_weights:  # torch's fused kernel under the same mask
+        return AttnOutput(masked_sdpa(q, k, v, bias, ctx.key_mask, causal, scale, p))
     out, probs = reference_attention(
         q, k, v, bias=bias, key_mask=ctx.key_mask, causal=causal, scale=scale,
         dropout=p, training=mech.training,
     )
-    return AttnOutput(out, probs if ctx.need_weights else None)
+    return AttnOutput(out, probs)
 
 
 def _key_list_path(keys: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]) -> FastPath:
@@ -542,9 +548,11 @@ class SparseTransformer(nn.Module):
     Transformers", arXiv 2019. Formula: strided |i - j| < l or (i - j) % l == 0; fixed
     i // l == j // l or j % l >= l - c. Complexity: O(n*(l + n/l)) time and memory from
     ``DENSE_FALLBACK_MAX_LEN`` keys on (O(n*sqrt(n)) at l ~ sqrt(n), as the paper's
-    kernels): strided on the gathered engine (the keys of each query), fixed on the blocked
+    kernels): strided on the blocked engine as the band and the residue classes in two
+    orders merged by their log-sum-exp (``_blockunion``; with attention dropout or off the
+    flash kernels, on the gathered engine: the keys of each query), fixed on the blocked
     engine (the own block as the window, the summary columns as keys every block shares);
-    the dense masked reference below it. Deviation: the two factorized
+    dense masked softmax below it. Deviation: the two factorized
     patterns are merged into one head (the paper's "merged" variant) and are bidirectional
     unless ``ctx.causal``.
     """

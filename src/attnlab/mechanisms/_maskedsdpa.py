@@ -1,0 +1,45 @@
+"""Dense masked softmax attention through ``F.scaled_dot_product_attention``: the short-input
+path of the position patterns (``sparse._run``) when no weights are returned.
+
+Why: below the blocked engine's length (and for BigBird when its blocks cover about every
+key) a pattern is dense softmax under its mask. ``core.reference_attention`` builds that
+as [b, h, n, m] scores, a masked softmax and a product, each a pass that autograd keeps;
+SDPA with the mask as ``attn_mask`` runs torch's fused kernel (on the CPU the flash kernel,
+which takes the mask and never keeps the n x m probabilities). Same semantics as the
+reference: the pattern's additive bias, the key mask and ``causal`` (j <= i) as -inf, and
+a row with no allowed key gives 0. torch 2.13's CPU kernels already return 0 for a row of
+-inf; for kernels that give NaN there, such a row is given an all-zero mask row (every
+key, finite) and its output is zeroed afterwards, so no NaN reaches the output or the
+gradients on any of them. Attention dropout is SDPA's (on the probabilities, as the reference's).
+Shapes: b batch, h heads, n queries, m keys, d / dv head dims.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..core import causal_mask
+
+
+def masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
+                key_mask: torch.Tensor | None, causal: bool, scale: float,
+                dropout: float) -> torch.Tensor:
+    """softmax(Q K^T * scale + bias + masks) V -> [b, h, n, dv]; q [b, h, n, d], k, v
+    [b, h, m, d|dv], bias [1, n, m] (additive: 0 / -inf), key_mask [b, m] (True = key) or
+    None, causal: j <= i (with n == m). Rows with no allowed key -> 0."""
+    n, m = q.shape[-2], k.shape[-2]
+    neg = float("-inf")
+    mask = bias.to(device=q.device, dtype=q.dtype)[:, None]  # [1,1,n,m]
+    if key_mask is not None:
+        keys = key_mask.to(device=q.device, dtype=torch.bool)[:, None, None, :]  # [b,1,1,m]
+        mask = mask.masked_fill(~keys, neg)  # [b,1,n,m]
+    if causal:
+        mask = mask.masked_fill(~causal_mask(n, m, q.device), neg)
+    live = ~torch.isneginf(mask).all(-1, keepdim=True)  # [b|1,1,n,1]
+    dead = not bool(live.all())
+    if dead:  # a row of -inf would give NaN: give it every key, zero it after
+        mask = mask.masked_fill(~live, 0.0)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
+                                         scale=scale)  # [b,h,n,dv]
+    return out * live.to(out.dtype) if dead else out
