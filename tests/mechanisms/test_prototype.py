@@ -49,6 +49,17 @@ def run(mech, q, k, v, mask=None, layer=0, need_weights=True):
                                              need_weights=need_weights))
 
 
+def assert_same_grads(out, ref, inputs):
+    """The gradients of out and ref for one random upstream gradient agree to TOL;
+    returns out's."""
+    g = torch.randn_like(ref)
+    grads = torch.autograd.grad(out, inputs, g)
+    grads_ref = torch.autograd.grad(ref, inputs, g)
+    for a, r in zip(grads, grads_ref, strict=True):
+        torch.testing.assert_close(a, r, **TOL)
+    return grads
+
+
 def query_valid(mask, b, n, m):
     if mask is None or n != m:
         return torch.ones(b, n, dtype=torch.bool)
@@ -213,11 +224,7 @@ def test_clustered_matches_naive_reference(topk, lengths):
     ref, ref_w = naive_clustered(q, k, v, assign, 3, mask, topk)
     torch.testing.assert_close(res.out, ref, **TOL)
     torch.testing.assert_close(res.probs, ref_w, **TOL)
-    g = torch.randn_like(ref)
-    grads = torch.autograd.grad(res.out, (q, k, v), g)
-    grads_ref = torch.autograd.grad(ref, (q, k, v), g)
-    for a, r in zip(grads, grads_ref, strict=True):
-        torch.testing.assert_close(a, r, **TOL)
+    grads = assert_same_grads(res.out, ref, (q, k, v))
     assert grads[0].abs().sum() > 0  # gradient reaches the queries through the centroids
 
 
@@ -234,11 +241,7 @@ def test_improved_clustered_without_weights_matches_naive_with_gradients(n, m, l
     assign = naive_assignment(q, mech.draws(n, layer_idx=1), query_valid(mask, 3, n, m), 3, 4)
     ref, _ = naive_clustered(q, k, v, assign, 3, mask, 3)
     torch.testing.assert_close(res.out, ref, **TOL)
-    g = torch.randn_like(ref)
-    grads = torch.autograd.grad(res.out, (q, k, v), g)
-    grads_ref = torch.autograd.grad(ref, (q, k, v), g)
-    for a, r in zip(grads, grads_ref, strict=True):
-        torch.testing.assert_close(a, r, **TOL)
+    assert_same_grads(res.out, ref, (q, k, v))
 
 
 def test_top_keys_backward_is_the_gradient():
@@ -304,11 +307,7 @@ def test_probsparse_matches_naive_reference(n, m, lengths):
     assert torch.equal(probsparse_keys(draws, kvalid), sampled)
     torch.testing.assert_close(res.out, ref, **TOL)
     torch.testing.assert_close(res.probs, ref_w, **TOL)
-    g = torch.randn_like(ref)
-    grads = torch.autograd.grad(res.out, (q, k, v), g)
-    grads_ref = torch.autograd.grad(ref, (q, k, v), g)
-    for a, r in zip(grads, grads_ref, strict=True):
-        torch.testing.assert_close(a, r, **TOL)
+    assert_same_grads(res.out, ref, (q, k, v))
 
 
 def test_probsparse_sizes_follow_the_official_rounding():
