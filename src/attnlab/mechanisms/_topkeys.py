@@ -4,11 +4,11 @@
 §3.3) re-weights, for every query, the top-k keys of its cluster: out_i = sum_k w_ik
 v_(idx_ik), w_i = mass_i * softmax_k(q_i . k_(idx_ik) * scale) over the allowed k.
 Written with autograd, the gathered keys and values [b, h, n, k, d] are saved for the
-backward: at n = 16384, k = 32, d = 64 and 12 heads that is 3.2 GB, most of that
-mechanism's 3.5 GB peak (docs/benchmarks.md, "The rest of the map"). Here the forward
-saves only the weights' softmax [b, h, n, k] and the indices; the backward gathers the
-keys and values again (one gather each, the forward's cost) for the group of heads it
-runs on.
+backward: at n = 16384, k = 32, d = 64 and 12 heads that is 3.2 GB (4-byte floats),
+and the forward+backward peak was 3522 MB. Here the forward saves only the weights'
+softmax [b, h, n, k] and the indices; the backward gathers the keys and values again (one
+gather each, the forward's cost) for the group of heads it runs on: 462 MB (the map
+section of docs/benchmarks.md).
 
 Shapes: b batch, h heads (a group of them), n queries, m keys, k keys per query, d key
 and dv value head dims.
