@@ -80,17 +80,25 @@ def test_flex_is_forward_only_on_cpu():
     assert res["forward_only"] and res["fwd_ms"] > 0 and "fwdbwd_ms" not in res
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("name", sorted(p for p in PEERS if p.startswith("hf_")))
-def test_every_peer_runs_forward_and_backward(name):
+def test_every_peer_runs_forward_and_backward(name, dtype):
+    # in float64 too: the peer's module (the Nystromformer conv) and masks follow the input
+    # (build_peer's device and dtype, as bench speed passes them; a GPU run moves them alike)
     spec = {"hf_bigbird": "hf_bigbird(block=16, random_blocks=1)",
             "hf_reformer_lsh": "hf_reformer_lsh(buckets=4, chunk=16)",
-            "hf_longformer": "hf_longformer(window=8)",
+            "hf_longformer": "hf_longformer(window=8, global_tokens=1)",
             "hf_nystromformer": "hf_nystromformer(num_landmarks=8, conv_kernel=3)"}[name]
-    inp = x(128).requires_grad_()
-    out = build_peer(spec, H, D, 128)(inp)
-    assert out.shape == inp.shape and torch.isfinite(out).all()
+    inp = x(128).to(dtype).requires_grad_()
+    torch.manual_seed(0)  # the Nystromformer conv's initialisation
+    out = build_peer(spec, H, D, 128, dtype=dtype)(inp)
+    assert out.shape == inp.shape and out.dtype == dtype and torch.isfinite(out).all()
     out.sum().backward()
     assert inp.grad is not None and torch.isfinite(inp.grad).all()
+    if dtype == torch.float64 and name != "hf_reformer_lsh":  # (it draws its hash rotations
+        torch.manual_seed(0)  # in x's dtype): the same numbers as in float32 (1e-4: fp32 sums)
+        torch.testing.assert_close(build_peer(spec, H, D, 128)(x(128)), out.detach().float(),
+                                   atol=1e-4, rtol=1e-4)
 
 
 def test_unknown_peer_and_parameter_are_clear_errors():

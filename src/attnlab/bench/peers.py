@@ -42,8 +42,23 @@ from ..mechanisms import compiled_flex_attention, flex_recompile_limit
 
 PEER_PREFIXES = ("hf_", "flex_")
 
-# peer name -> (default parameters, builder)
-_Builder = Callable[[dict[str, Any], int, int, int], Callable[[torch.Tensor], torch.Tensor]]
+class _Place:
+    """Where a peer runs: its module's parameters and buffers and its masks go to
+    ``device`` in ``dtype`` (floating tensors only), as the measured input x is."""
+
+    def __init__(self, device: str | torch.device, dtype: torch.dtype) -> None:
+        self.device, self.dtype = torch.device(device), dtype
+
+    def module(self, m: nn.Module) -> nn.Module:
+        return m.to(self.device, self.dtype)
+
+    def tensor(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.device, self.dtype if t.is_floating_point() else t.dtype)
+
+
+# peer name -> (default parameters, builder(params, heads, head_dim, n, place))
+_Builder = Callable[[dict[str, Any], int, int, int, _Place],
+                    Callable[[torch.Tensor], torch.Tensor]]
 
 
 class _Copy(nn.Module):
@@ -59,7 +74,7 @@ def _no_projections(module: nn.Module, *names: str) -> nn.Module:
     return module.eval()
 
 
-def _longformer(p: dict[str, Any], heads: int, head_dim: int, n: int):
+def _longformer(p: dict[str, Any], heads: int, head_dim: int, n: int, place: _Place):
     from transformers import LongformerConfig
     from transformers.models.longformer.modeling_longformer import LongformerSelfAttention
 
@@ -70,9 +85,10 @@ def _longformer(p: dict[str, Any], heads: int, head_dim: int, n: int):
     g = int(p.get("global_tokens", 0))
     if g:
         _no_projections(att, "query_global", "key_global", "value_global")
+    place.module(att)
 
     def run(x: torch.Tensor) -> torch.Tensor:
-        mask = torch.zeros(x.shape[0], n)  # [b,n]
+        mask = x.new_zeros(x.shape[0], n)  # [b,n]
         mask[:, :g] = 1.0  # 0 local, > 0 global (the model's convention after its own remap)
         return att(x, attention_mask=mask, is_index_masked=mask < 0,
                    is_index_global_attn=mask > 0, is_global_attn=bool(g))[0]
@@ -80,7 +96,7 @@ def _longformer(p: dict[str, Any], heads: int, head_dim: int, n: int):
     return run
 
 
-def _bigbird(p: dict[str, Any], heads: int, head_dim: int, n: int):
+def _bigbird(p: dict[str, Any], heads: int, head_dim: int, n: int, place: _Place):
     from transformers import BigBirdConfig
     from transformers.models.big_bird.modeling_big_bird import (
         BigBirdBlockSparseAttention,
@@ -91,8 +107,10 @@ def _bigbird(p: dict[str, Any], heads: int, head_dim: int, n: int):
     cfg = BigBirdConfig(hidden_size=heads * head_dim, num_attention_heads=heads,
                         block_size=block, num_random_blocks=int(p["random_blocks"]),
                         max_position_embeddings=max(n, 4096), attention_type="block_sparse")
-    att = _no_projections(BigBirdBlockSparseAttention(cfg, seed=0), "query", "key", "value")
-    masks = BigBirdModel.create_masks_for_block_sparse_attn(torch.ones(1, n), block)
+    att = place.module(_no_projections(BigBirdBlockSparseAttention(cfg, seed=0), "query", "key",
+                                       "value"))
+    masks = [place.tensor(m) for m in
+             BigBirdModel.create_masks_for_block_sparse_attn(torch.ones(1, n), block)]
 
     def run(x: torch.Tensor) -> torch.Tensor:
         blocked, band, from_mask, to_mask = (m.expand(x.shape[0], *m.shape[1:]) for m in masks)
@@ -102,7 +120,7 @@ def _bigbird(p: dict[str, Any], heads: int, head_dim: int, n: int):
     return run
 
 
-def _nystromformer(p: dict[str, Any], heads: int, head_dim: int, n: int):
+def _nystromformer(p: dict[str, Any], heads: int, head_dim: int, n: int, place: _Place):
     from transformers import NystromformerConfig
     from transformers.models.nystromformer.modeling_nystromformer import (
         NystromformerSelfAttention,
@@ -116,6 +134,7 @@ def _nystromformer(p: dict[str, Any], heads: int, head_dim: int, n: int):
     if not kernel:  # the config type wants an int; the module skips the conv when None
         cast(Any, att).conv_kernel_size = None  # a plain attribute, not a Tensor/Module
         del att.conv
+    place.module(att)
 
     def run(x: torch.Tensor) -> torch.Tensor:
         return att(x)[0]
@@ -123,7 +142,7 @@ def _nystromformer(p: dict[str, Any], heads: int, head_dim: int, n: int):
     return run
 
 
-def _reformer_lsh(p: dict[str, Any], heads: int, head_dim: int, n: int):
+def _reformer_lsh(p: dict[str, Any], heads: int, head_dim: int, n: int, place: _Place):
     from transformers import ReformerConfig
     from transformers.models.reformer.modeling_reformer import LSHSelfAttention
 
@@ -133,7 +152,7 @@ def _reformer_lsh(p: dict[str, Any], heads: int, head_dim: int, n: int):
                          lsh_num_chunks_before=1, lsh_num_chunks_after=0, is_decoder=False,
                          max_position_embeddings=n, hash_seed=0,
                          lsh_attention_probs_dropout_prob=0.0)
-    att = _no_projections(LSHSelfAttention(cfg), "query_key", "value")
+    att = place.module(_no_projections(LSHSelfAttention(cfg), "query_key", "value"))
 
     def run(x: torch.Tensor) -> torch.Tensor:
         return att(x)[0]
@@ -142,7 +161,7 @@ def _reformer_lsh(p: dict[str, Any], heads: int, head_dim: int, n: int):
 
 
 def _flex(global_default: int) -> _Builder:
-    def build(p: dict[str, Any], heads: int, head_dim: int, n: int):
+    def build(p: dict[str, Any], heads: int, head_dim: int, n: int, place: _Place):
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
         window, g = int(p["window"]), int(p.get("global_tokens", global_default))
@@ -214,10 +233,12 @@ def ours_for(method: str) -> str | None:
     return f"lsh(buckets={p['buckets']}, chunk={p['chunk']}, num_hashes={p['num_hashes']})"
 
 
-def build_peer(method: str, heads: int, head_dim: int, n: int
+def build_peer(method: str, heads: int, head_dim: int, n: int,
+               device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
                ) -> Callable[[torch.Tensor], torch.Tensor]:
     """``run(x [b, n, h*d]) -> [b, n, h*d]`` for a peer spec such as
-    ``hf_nystromformer(num_landmarks=64)``; unknown names or parameters are a ValueError."""
+    ``hf_nystromformer(num_landmarks=64)``, its module and masks on ``device`` in ``dtype``
+    (x's); unknown names or parameters are a ValueError."""
     name, kwargs = parse_spec(method)
     if name not in PEERS:
         raise ValueError(f"unknown peer {name!r}; choose one of {', '.join(sorted(PEERS))}")
@@ -226,7 +247,7 @@ def build_peer(method: str, heads: int, head_dim: int, n: int
     if unknown:
         raise ValueError(f"unknown parameter(s) {sorted(unknown)} for peer {name!r}; it takes "
                          f"{', '.join(sorted(defaults))}")
-    return builder({**defaults, **kwargs}, heads, head_dim, n)
+    return builder({**defaults, **kwargs}, heads, head_dim, n, _Place(device, dtype))
 
 
 def ours_on_one_input(mech: nn.Module, ctx: Any, heads: int, head_dim: int

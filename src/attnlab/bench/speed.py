@@ -88,7 +88,7 @@ def measure(
 
     def runner(length: int) -> Callable[..., torch.Tensor]:
         if is_peer(method):
-            return build_peer(method, heads, head_dim, length)
+            return build_peer(method, heads, head_dim, length, device, getattr(torch, dtype))
         if method == SDPA:
             def sdpa(q, k, v, ctx=None):
                 return AttnOutput(F.scaled_dot_product_attention(q, k, v))
