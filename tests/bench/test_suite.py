@@ -5,6 +5,7 @@ through the CLI."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from typer.testing import CliRunner
@@ -152,6 +153,24 @@ def test_cli_refuses_a_bad_device_or_dtype(tmp_path):
                                        "--out", str(tmp_path), *extra])
         assert res.exit_code != 0 and ("tpu" in res.output or "float16" in res.output)
         assert "Traceback" not in res.output
+
+
+@pytest.mark.parametrize(("spec", "says"), [
+    ("band(window=-1)", "band window must be >= 0"),
+    ("band(windw=2)", "unknown parameter 'windw'"),
+    ("hf_longformer(windw=3)", "unknown parameter(s) ['windw'] for peer 'hf_longformer'"),
+    ("hf_nope", "unknown peer 'hf_nope'"),
+])
+def test_a_bad_spec_is_refused_before_anything_runs(tmp_path, spec, says):
+    calls: list = []
+    out = tmp_path / "speed"
+    res = CliRunner().invoke(app, ["bench", "speed", "--mechanisms", f"band,{spec}", "--n",
+                                   "128", "--out", str(out)])
+    assert res.exit_code == 2 and says in res.output and "Traceback" not in res.output
+    assert not out.exists()  # no folder, no row: nothing was measured
+    with pytest.raises(KeyError, match=re.escape(says)):  # RegistryError
+        run_suite(out, ["band", spec], (128,), progress=False, measure=fake(calls))
+    assert calls == [] and not out.exists()
 
 
 def test_memory_at_every_n(tmp_path):

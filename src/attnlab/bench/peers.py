@@ -239,15 +239,22 @@ def build_peer(method: str, heads: int, head_dim: int, n: int,
     """``run(x [b, n, h*d]) -> [b, n, h*d]`` for a peer spec such as
     ``hf_nystromformer(num_landmarks=64)``, its module and masks on ``device`` in ``dtype``
     (x's); unknown names or parameters are a ValueError."""
+    name, params = peer_params(method)
+    return PEERS[name][1](params, heads, head_dim, n, _Place(device, dtype))
+
+
+def peer_params(method: str) -> tuple[str, dict[str, Any]]:
+    """(name, parameters with the defaults filled in) of a peer spec; unknown names or
+    parameters are a ValueError naming what the peer takes."""
     name, kwargs = parse_spec(method)
     if name not in PEERS:
         raise ValueError(f"unknown peer {name!r}; choose one of {', '.join(sorted(PEERS))}")
-    defaults, builder = PEERS[name]
+    defaults = PEERS[name][0]
     unknown = set(kwargs) - set(defaults)
     if unknown:
         raise ValueError(f"unknown parameter(s) {sorted(unknown)} for peer {name!r}; it takes "
                          f"{', '.join(sorted(defaults))}")
-    return builder({**defaults, **kwargs}, heads, head_dim, n, _Place(device, dtype))
+    return name, {**defaults, **kwargs}
 
 
 def ours_on_one_input(mech: nn.Module, ctx: Any, heads: int, head_dim: int

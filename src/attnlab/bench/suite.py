@@ -32,7 +32,7 @@ from rich.progress import Progress
 
 from ..core import list_mechanisms, mechanism_class
 from ..io import append_jsonl, atomic_write, read_jsonl, write_json
-from .peers import is_peer, ours_for
+from .peers import is_peer, ours_for, peer_params
 from .speed import SDPA, add_ratios, environment, measure_isolated
 
 DEFAULT_NS = (512, 1024, 2048, 4096, 8192, 16384)
@@ -105,11 +105,13 @@ def run_suite(
     (``environment``, ``rows``, ``exponents``). ``device="cuda"`` measures on the GPU in
     this process (the sparse patterns on FlexAttention), in ``dtype``."""
     measure = measure or measure_isolated
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     names = list(mechanisms) if mechanisms else [
         m for m in list_mechanisms() if mechanism_class(m).caps.scope != "module"]
     specs = [m if "(" in m or is_peer(m) else bench_spec(m) for m in names]
+    for spec in specs:  # a bad spec is refused before anything runs, not an error cell
+        check_method(spec)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
     # with peers in the run every method is fed like them: one leaf x, q = k = v copies
     # (``bench.peers``), so the two sides compute and keep the same tensors
     common = dict(repeats=repeats, threads=threads, heads=heads, head_dim=head_dim,
@@ -168,6 +170,20 @@ def summarise(rows: list[dict[str, Any]], fit_from: int) -> dict[str, Any]:
                if r["method"] == method and "error" not in r and r["n"] >= fit_from]
         exponents[method] = fit_exponent(pts)
     return {"rows": out_rows, "exponents": exponents}
+
+
+def check_method(method: str) -> None:
+    """RegistryError naming what is wrong with a method of the run: an unknown mechanism or
+    peer, an unknown parameter or an invalid value."""
+    from ..core import RegistryError, resolve_config
+
+    if is_peer(method):
+        try:
+            peer_params(method)
+        except ValueError as e:
+            raise RegistryError(str(e)) from None
+    elif method != SDPA:
+        resolve_config(method)
 
 
 def _config(method: str):
