@@ -199,7 +199,9 @@ def test_compare_parallel_matches_sequential(tmp_path):
 
 def test_compare_parallel_names_the_failed_logs(tmp_path):
     res = runner.invoke(app, [
-        "compare", "name=bad", f"output_dir={tmp_path}", f"task.data_dir={tmp_path / 'none'}",
+        # a data folder without CoLA: the variants pass the checks made before the grid
+        # (``preflight``) and each run fails when it loads the data, in its own process
+        "compare", "name=bad", f"output_dir={tmp_path}", f"task.data_dir={tmp_path}",
         "model.name=scratch:tiny", "train.max_steps=1", "--seeds", "2", "--parallel", "2"])
     assert res.exit_code != 0
     text = "".join(res.output.split())  # rich wraps long paths mid-word

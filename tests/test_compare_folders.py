@@ -31,6 +31,27 @@ def test_expand_refuses_two_variants_in_one_folder(tmp_path):
     assert [f.rsplit("/", 1)[-1] for f in folders] == ["jat_rho=4.5", "jat_rho=5.0"]
 
 
+def test_a_bad_variant_stops_the_grid_before_any_run(tmp_path):
+    from attnlab.core import RegistryError
+    from attnlab.recipes.compare import run_compare
+
+    base = load_config(None, [f"output_dir={tmp_path}", "task.data_dir=builtin"])
+    ran: list = []
+
+    def run(cfg, **kw):  # no variant may get this far
+        ran.append(cfg)
+        raise RuntimeError("a run started")
+
+    bad = [("plan", ["all:all:softmax", "all:all:band(window=-3)"]),  # a mechanism's value
+           ("tuning.method", ["full", "nope"]),  # an unknown tuner
+           ("model.name", ["default", "scratch:huge"])]  # an unknown from-scratch size
+    for vary, says in zip(bad, ["band window must be >= 0", "nope", "unknown size 'huge'"],
+                          strict=True):
+        with pytest.raises((ConfigError, RegistryError, ValueError), match=says):
+            run_compare(base, [vary], 1, run)
+    assert ran == [] and not any(tmp_path.iterdir())  # nothing ran, nothing was written
+
+
 def _row(variant, mean):
     return {"variant": variant, "mean": mean}
 

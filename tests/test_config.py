@@ -66,7 +66,7 @@ def test_compare_variants_take_their_own_tuners_recipe():
     tuner's settings (PASTA: weight decay 0, no warmup), not the first one's."""
     from attnlab.recipes.compare import expand
 
-    base = load_config(None, ["optim.lr=1e-3"])
+    base = load_config(None, ["optim.lr=1e-3", "task.data_dir=builtin"])
     (_, [full]), (_, [pasta]) = expand(base, [("tuning.method", ["full", "pasta"])], 1)
     assert (full.optim.lr, full.optim.weight_decay, full.optim.warmup_ratio) == (1e-3, 0.01, 0.1)
     assert (pasta.optim.lr, pasta.optim.weight_decay, pasta.optim.warmup_ratio) == (1e-3, 0.0, 0.0)

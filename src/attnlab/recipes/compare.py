@@ -47,6 +47,7 @@ from ..config import (
 )
 from ..io import atomic_write, write_json
 from ..presets import plan_value
+from .preflight import preflight
 from .summary import RunSummary, read_summary
 from .versus import add_versus, check_reference, versus_cells
 
@@ -97,7 +98,9 @@ def variant_folder(label: str) -> str:
 
 def expand(base: ExperimentConfig, vary: list[tuple[str, list[str]]], seeds: int
            ) -> list[tuple[str, list[ExperimentConfig]]]:
-    """One (label, [config per seed]) per combination of varied values."""
+    """One (label, [config per seed]) per combination of varied values. Each variant is
+    checked as ``attnlab run`` checks a config (``preflight``: plan, model, tuner, data
+    folder; not the data itself), so a bad variant stops the grid before any run."""
     combos = list(itertools.product(*[vals for _, vals in vary])) if vary else [()]
     out: list[tuple[str, list[ExperimentConfig]]] = []
     seen: dict[str, str] = {}
@@ -120,6 +123,8 @@ def expand(base: ExperimentConfig, vary: list[tuple[str, list[str]]], seeds: int
         validate(cfg)
         root = Path(base.output_dir) / base.name / slug
         runs = [replace(cfg, seed=s, name=f"seed-{s}", output_dir=str(root)) for s in range(seeds)]
+        if runs:  # what `attnlab run` would refuse, now, not after the variants before it
+            preflight(runs[0])
         out.append((label, runs))
     return out
 
