@@ -6,6 +6,7 @@ text at one length, with accuracy, training steps/s and peak memory against soft
 
     attnlab bench lra --mechanisms softmax,band,linear_elu --task listops --steps 50
     attnlab bench lra --mechanisms "mega(chunk=128)" --task listops --length 4096 --steps 5
+    attnlab bench lra --speed-only --length 4096     # every mechanism's cost columns at 4K
 
 The bench, torch and transformers are imported inside the command, so ``attnlab --help``
 stays fast.
@@ -47,6 +48,10 @@ def bench_lra(
         help="Data root holding glue/SST-2 (task text).")] = Path("../shared/data"),
     out: Annotated[Path, typer.Option(
         help="Output folder (rows.jsonl makes it resumable).")] = Path("runs/bench-lra"),
+    speed_only: Annotated[bool, typer.Option(
+        help="Measure steps/s and peak memory only (no training; --task, --seeds, --steps, "
+             "--eval-size and --lr are not used), e.g. every mechanism at --length 4096.")
+                          ] = False,
 ) -> None:
     """A Long Range Arena of our own: accuracy, speed and memory vs softmax (resumable)."""
     from . import cli as root  # the --debug flag and the one-line error printer live there
@@ -67,7 +72,8 @@ def bench_lra(
         if settings.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda: this torch sees no CUDA GPU; use --device cpu")
         results = run_lra(out, names, tasks, list(range(seeds)), settings,
-                          notify=lambda line: console.print(line, markup=False))
+                          notify=lambda line: console.print(line, markup=False),
+                          speed_only=speed_only)
     except errors as e:
         if root._DEBUG["on"]:
             raise

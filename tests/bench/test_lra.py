@@ -85,6 +85,28 @@ def test_other_settings_do_not_reuse_cells(tmp_path, trained):
     assert measured == ["softmax"] and trained == ["recall", "recall"]  # speed cell reused
 
 
+def test_speed_only_measures_without_training_and_shares_cells(tmp_path, trained):
+    measured: list[str] = []
+    res = lra.run_lra(tmp_path, ["band(window=4)"], ["recall"], [0, 1], TINY, progress=False,
+                      measure=fake_measure(measured), speed_only=True)
+    assert measured == ["softmax", "band(window=4)"] and trained == []  # no train cell
+    assert res["speed_only"] and res["tasks"] == [] and res["seeds"] == []
+    band = res["table"][1]
+    assert band["accuracy"] == {} and band["average"] is None
+    assert band["speed_ratio"] == 2.0 and band["memory_ratio"] == 0.25
+    table = (tmp_path / "lra.md").read_text()
+    header = next(line for line in table.splitlines() if line.startswith("| mechanism"))
+    assert header == ("| mechanism | steps/s | speed vs softmax | peak MB | memory vs softmax |")
+    assert "| `band(window=4)` | 20 | 2.00x | 30 | 0.25x |" in table
+    assert "Accuracy" not in table and "speed and memory only" in table
+    assert (tmp_path / "lra.png").stat().st_size > 0  # memory against speed
+    # a training run into the same folder reuses the speed cells (same identity)
+    measured.clear()
+    lra.run_lra(tmp_path, ["band(window=4)"], ["recall"], [0], TINY, progress=False,
+                measure=fake_measure(measured))
+    assert measured == [] and trained == ["recall", "recall"]
+
+
 def test_a_failing_speed_cell_is_reported_not_fatal(tmp_path, trained):
     def measure(spec, length, batch_size, **kw):
         if spec != "softmax":

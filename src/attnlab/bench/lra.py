@@ -167,15 +167,19 @@ def run_lra(
     progress: bool = True,
     notify: Callable[[str], None] | None = None,
     measure: Callable[..., dict[str, Any]] = measure_isolated_step,
+    speed_only: bool = False,
 ) -> dict[str, Any]:
     """Run the missing cells, write ``rows.jsonl``, ``lra.json``, ``lra.md``, ``lra.png``
     into ``out``; return the results (``lra.json``'s content). ``notify`` gets one line per
-    skipped mechanism; ``measure`` is the speed measurement (tests pass a stand-in)."""
+    skipped mechanism; ``measure`` is the speed measurement (tests pass a stand-in).
+    ``speed_only``: the speed cells alone (LRA Table 2's steps/s and peak memory, at lengths
+    where training every mechanism is out of reach); ``tasks`` and ``seeds`` are not used,
+    and ``lra.png`` plots memory against speed."""
     settings.check()
-    tasks = list(dict.fromkeys(tasks))
+    tasks = [] if speed_only else list(dict.fromkeys(tasks))
     for t in tasks:
         check_task(t)
-    if not tasks or not seeds:
+    if not speed_only and (not tasks or not seeds):
         raise ValueError("give at least one task and one seed")
     labels, skipped = resolve_mechanisms(mechanisms, settings.length)
     for s in skipped:
@@ -247,7 +251,8 @@ def run_lra(
 
     rows = [done[key[j]] for j in jobs]
     results = {
-        "settings": asdict(settings), "tasks": tasks, "seeds": list(seeds),
+        "settings": asdict(settings), "speed_only": speed_only, "tasks": tasks,
+        "seeds": [] if speed_only else list(seeds),
         "mechanisms": labels, "skipped": skipped, "baseline": canonical(BASELINE),
         "encoder": ENCODER, "data_seed": DATA_SEED,
         "data": {r["task"]: r["data"] for r in rows if "data" in r},
@@ -256,7 +261,7 @@ def run_lra(
     }
     write_json(out / "lra.json", results)
     atomic_write(out / "lra.md", format_table(results))
-    scatter_plot(results, out / "lra.png")
+    (cost_plot if speed_only else scatter_plot)(results, out / "lra.png")
     return results
 
 
@@ -320,13 +325,15 @@ def format_table(results: dict[str, Any]) -> str:
     """``lra.md``: LRA's Table 1 layout (accuracy % per task, average) with the speed and
     memory columns of its Table 2, then how it was run."""
     s, tasks = results["settings"], results["tasks"]
-    titles = [TASK_TITLES[t] for t in tasks]
+    speed_only = results.get("speed_only", False)
+    acc_cols = [TASK_TITLES[t] for t in tasks] + ([] if speed_only else ["Avg"])
+    what = ("speed and memory only" if speed_only else
+            f"{s['steps']} steps, batch {s['batch_size']}, {len(results['seeds'])} seed(s)")
     lines = [
-        f"# bench lra: length {s['length']}, {s['steps']} steps, batch {s['batch_size']}, "
-        f"{len(results['seeds'])} seed(s), {s['device']}\n\n",
-        "| mechanism | " + " | ".join(titles) + " | Avg | steps/s | speed vs softmax "
+        f"# bench lra: length {s['length']}, {what}, {s['device']}\n\n",
+        "| mechanism | " + "".join(f"{c} | " for c in acc_cols) + "steps/s | speed vs softmax "
         "| peak MB | memory vs softmax |\n",
-        "|---|" + "---:|" * (len(tasks) + 5) + "\n",
+        "|---|" + "---:|" * (len(acc_cols) + 4) + "\n",
     ]
     for e in results["table"]:
         avg = "-" if e["average"] is None else f"{100 * e['average']:.2f}"
@@ -335,24 +342,27 @@ def format_table(results: dict[str, Any]) -> str:
         mem = f"{e['peak_mem_mb']:.0f}" if "peak_mem_mb" in e else sps if sps == "error" else "-"
         ratio = f"{e['speed_ratio']:.2f}x" if "speed_ratio" in e else "-"
         mratio = f"{e['memory_ratio']:.2f}x" if "memory_ratio" in e else "-"
-        lines.append(f"| `{e['label']}` | "
-                     + " | ".join(_acc(e["accuracy"][t]) for t in tasks)
-                     + f" | {avg} | {sps} | {ratio} | {mem} | {mratio} |\n")
+        accs = [_acc(e["accuracy"][t]) for t in tasks] + ([] if speed_only else [avg])
+        lines.append(f"| `{e['label']}` | " + "".join(f"{a} | " for a in accs)
+                     + f"{sps} | {ratio} | {mem} | {mratio} |\n")
     base: dict[str, Any] = next(
         (e for e in results["table"] if e["mechanism"] == results["baseline"]), {})
     kernels = ", ".join(base.get("kernels", [])) or "none seen by the profiler"
     enc = results["encoder"]
-    lines.append(
-        f"\nAccuracy (%) on {s['eval_size']} evaluation examples per task after {s['steps']} "
+    lr_note = "" if speed_only else f" lr {s['lr']:g}."
+    accuracy = "" if speed_only else (
+        f"Accuracy (%) on {s['eval_size']} evaluation examples per task after {s['steps']} "
         f"training steps of batch {s['batch_size']} (mean ± std over seeds "
-        f"{', '.join(map(str, results['seeds']))}); Avg: over the tasks. steps/s and peak MB: "
+        f"{', '.join(map(str, results['seeds']))}); Avg: over the tasks. ")
+    lines.append(
+        f"\n{accuracy}steps/s and peak MB: "
         f"one training step (forward, backward, AdamW) on {s['batch_size']} x {s['length']} "
         f"tokens in a fresh subprocess (median of {s['repeats']}); ratios against "
         f"`{results['baseline']}` (F.scaled_dot_product_attention; kernel: {kernels}).\n\n"
         f"Encoder: from-scratch BERT, {enc['num_hidden_layers']} layers, hidden "
         f"{enc['hidden_size']}, {enc['num_attention_heads']} heads, feed-forward "
         f"{enc['intermediate_size']}, {s['length']} positions, attention dropout 0, the "
-        f"mechanism in every head. lr {s['lr']:g}. Environment: "
+        f"mechanism in every head.{lr_note} Environment: "
         f"{_env_line(results['environment'])}.\n")
     if results["data"]:
         lines.append("\nData: " + "; ".join(f"{TASK_TITLES[t]}: {a}"
@@ -406,6 +416,43 @@ def scatter_plot(results: dict[str, Any], path: str | Path) -> Path | None:
                  f"({s['steps']} steps)", fontsize=9)
     ax.grid(True, alpha=0.3)
     ax.margins(0.2)
+    fig.suptitle(env_title(results["environment"]), fontsize=9)
+    fig.tight_layout()
+    return write_png(fig, path)
+
+
+def cost_plot(results: dict[str, Any], path: str | Path) -> Path | None:
+    """``lra.png`` of a speed-only run: each mechanism's peak memory (y) against its training
+    steps/s (x), both relative to softmax, log-log, one labelled point each; softmax sits
+    at (1, 1), and the lower right is faster and lighter. None when no mechanism has both
+    ratios."""
+    pts = [e for e in results["table"] if "speed_ratio" in e and "memory_ratio" in e]
+    if not pts:
+        return None
+    # heavy: matplotlib, imported on use
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .plots import env_title, write_png
+
+    s = results["settings"]
+    fig, ax = plt.subplots(figsize=(8, 6))
+    for e in pts:
+        ax.scatter(e["speed_ratio"], e["memory_ratio"], s=25, alpha=0.7)
+        ax.annotate(e["label"], (e["speed_ratio"], e["memory_ratio"]), fontsize=6,
+                    xytext=(3, 2), textcoords="offset points")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.axvline(1.0, color="grey", lw=0.8, ls="--")
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_xlabel(f"training steps/s relative to {results['baseline']} "
+                  f"(batch {s['batch_size']} x {s['length']} tokens)")
+    ax.set_ylabel(f"peak memory relative to {results['baseline']}")
+    ax.set_title(f"bench lra at length {s['length']}: memory vs speed (lower right: faster "
+                 "and lighter)", fontsize=9)
+    ax.grid(True, which="both", alpha=0.25)
     fig.suptitle(env_title(results["environment"]), fontsize=9)
     fig.tight_layout()
     return write_png(fig, path)
