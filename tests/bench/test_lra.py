@@ -146,6 +146,10 @@ def test_measure_step_in_process():
     assert any("scaled_dot_product" in k for k in t["kernels"])  # SDPA, as the table says
     m = measure_step("linear_elu", 32, 2, part="memory")
     assert set(m) == {"peak_mem_mb"} and m["peak_mem_mb"] >= 0
+    # a task-conditioned mechanism gets a fixed task id from its bench setting (one task
+    # per cell), so its bare name measures instead of failing for want of an id
+    assert lra.requested("camtl_prior") == "camtl_prior(task=0)"
+    assert measure_step(lra.requested("camtl_prior"), 32, 2, repeats=1)["step_ms"] > 0
 
 
 @pytest.mark.parametrize("args, expect", [

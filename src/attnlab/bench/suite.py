@@ -50,6 +50,7 @@ BENCH_SPECS = {
     "routing": "routing(num_clusters=16)",
     "performer": "performer(num_features=64)",
     "mega": "mega(chunk=128)",
+    "camtl_prior": "camtl_prior(task=0)",  # task-conditioned: a bench's batches are one task
 }
 
 
