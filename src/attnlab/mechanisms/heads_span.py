@@ -359,6 +359,7 @@ class AdaptiveSpanConfig(MechanismConfig):
 
 
 NORM_EPS = 1e-8  # the official renormalisation's epsilon: attn / (attn.sum(-1) + 1e-8)
+_SPAN_CHUNK = 64  # queries per chunk of the band path (at least the current span)
 
 
 @register_mechanism(AdaptiveSpanConfig)
@@ -444,23 +445,39 @@ class AdaptiveSpan(nn.Module):
         return pd @ v.to(pd.dtype), probs
 
     def _band(self, q, k, v, ctx: AttnContext, span: int, scale: float, p: float):
-        """Keys j = i - w .. i + w (w = span - 1; right side 0 when causal) only."""
-        n = q.shape[2]
+        """Keys j = i - w .. i + w (w = span - 1; right side 0 when causal) only, in chunks
+        of c queries: chunk [i0, i1) is scored against the key rows [i0 - w, i1 + w) of the
+        zero-padded K, a view, by one matmul [b,h,c,d] x [b,h,d,c+2w]; keys outside a
+        query's band are masked. So no [b,h,n,d,2w+1] copy of K or V is made (an unfolded
+        window's einsum made one each, 16x the softmax model's peak memory at 4 x 4096
+        tokens), at the cost of scoring c + 2w keys per query instead of 2w + 1 (c =
+        max(``_SPAN_CHUNK``, span)). The distance of key slot t from query a of a chunk is
+        t - w - a in every chunk, so the band and the soft mask are built once."""
+        b, h, n, _ = q.shape
         left = span - 1
         right = 0 if ctx.causal else left
-        width = left + right + 1
-        kw = F.pad(k, (0, 0, left, right)).unfold(2, width, 1)  # [b,h,n,d,width]
-        scores = torch.einsum("bhnd,bhndw->bhnw", q, kw) * scale  # [b,h,n,width]
-        t = torch.arange(width, device=q.device)  # slot t holds key j = i - left + t
-        j = torch.arange(n, device=q.device)[:, None] - left + t[None, :]  # [n,width]
-        allowed = ((j >= 0) & (j < n))[None, None]  # [1,1,n,width]
-        if ctx.key_mask is not None:
-            km = F.pad(ctx.key_mask.to(torch.bool), (left, right), value=False)  # [b,n+l+r]
-            allowed = allowed & km.unfold(1, width, 1)[:, None]  # [b,1,n,width]
-        probs = masked_softmax(scores, allowed)
-        probs = self._renormalise(probs, self.soft_mask((t - left).abs())[:, None, :], p)
-        vw = F.pad(v, (0, 0, left, right)).unfold(2, width, 1)  # [b,h,n,dv,width]
-        return torch.einsum("bhnw,bhndw->bhnd", probs, vw.to(probs.dtype))
+        c = min(max(_SPAN_CHUNK, span), n)  # queries per chunk
+        cw = c + left + right  # key slots per chunk
+        rel = (torch.arange(cw, device=q.device)[None, :] - left
+               - torch.arange(c, device=q.device)[:, None])  # [c,cw]: key j minus query i
+        band = (rel >= -left) & (rel <= right)  # [c,cw]
+        soft = self.soft_mask(rel.abs())  # m_z [h,c,cw]
+        # key slots that hold a key: padding rows are not keys, nor are masked keys
+        slots = torch.zeros(b, n + left + right, dtype=torch.bool, device=q.device)
+        slots[:, left : left + n] = True if ctx.key_mask is None else ctx.key_mask.to(
+            device=q.device, dtype=torch.bool).expand(b, n)
+        kp = F.pad(k, (0, 0, left, right))  # [b,h,n+l+r,d]
+        vp = F.pad(v, (0, 0, left, right)).to(q.dtype)
+        outs = []
+        for i0 in range(0, n, c):
+            ci = min(c, n - i0)
+            keys = slice(i0, i0 + ci + left + right)  # the chunk's key slots
+            scores = (q[:, :, i0 : i0 + ci] @ kp[:, :, keys].transpose(-1, -2)) * scale
+            allowed = band[:ci, : scores.shape[-1]] & slots[:, None, None, keys]  # [b,1,ci,.]
+            probs = masked_softmax(scores, allowed)  # [b,h,ci,ci+l+r]
+            probs = self._renormalise(probs, soft[:, :ci, : scores.shape[-1]], p)
+            outs.append(probs @ vp[:, :, keys])  # [b,h,ci,dv]
+        return torch.cat(outs, dim=2)
 
     def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
         check_qkv(q, k, v, self.dims)
