@@ -106,6 +106,20 @@ def test_a_failing_mechanism_is_reported_not_fatal(tmp_path):
     assert res["exponents"]["band(window=128)"] is None
 
 
+def test_a_failed_child_says_why_in_its_last_line():
+    from attnlab.bench.speed import exit_reason, run_child
+
+    assert exit_reason(-9, "") == ("killed by SIGKILL (no error printed: most likely out of "
+                                   "memory)")
+    assert exit_reason(-15, "") == "killed by SIGTERM"
+    assert exit_reason(1, "Traceback (most recent call last):\n  ...\nValueError: boom\n") == (
+        "ValueError: boom")
+    assert exit_reason(3, " \n") == "exit status 3, no error printed"
+    with pytest.raises(RuntimeError) as e:  # a real child: no such module
+        run_child("attnlab.bench.no_such_module", {})
+    assert str(e.value).splitlines()[-1].startswith("ModuleNotFoundError")
+
+
 def test_helpers():
     assert fit_exponent([(1000, 1.0), (2000, 4.0), (4000, 16.0)]) == pytest.approx(2.0)
     assert fit_exponent([(1000, 1.0)]) is None

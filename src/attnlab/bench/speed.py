@@ -31,6 +31,7 @@ import dataclasses
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -227,8 +228,25 @@ def run_child(module: str, kwargs: dict[str, Any], env: dict[str, str] | None = 
         check=False, env=env,
     )
     if res.returncode != 0:
-        raise RuntimeError(f"benchmark subprocess failed for {kwargs}:\n{res.stderr[-2000:]}")
+        raise RuntimeError(f"benchmark subprocess failed for {kwargs}:\n{res.stderr[-2000:]}"
+                           f"\n{exit_reason(res.returncode, res.stderr)}")
     return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def exit_reason(returncode: int, stderr: str) -> str:
+    """One line on why a child failed (tables keep a failure's last line): its last error
+    line, or the signal that killed it (SIGKILL with no error: most likely the kernel's
+    out-of-memory killer), or its exit status."""
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        oom = " (no error printed: most likely out of memory)" if (
+            -returncode == signal.SIGKILL and not stderr.strip()) else ""
+        return f"killed by {name}{oom}"
+    lines = [ln for ln in stderr.strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else f"exit status {returncode}, no error printed"
 
 
 def bench_sparse(
