@@ -42,6 +42,7 @@ from ..mechanisms import compiled_flex_attention, flex_recompile_limit
 
 PEER_PREFIXES = ("hf_", "flex_")
 
+
 class _Place:
     """Where a peer runs: its module's parameters and buffers and its masks go to
     ``device`` in ``dtype`` (floating tensors only), as the measured input x is."""

@@ -449,10 +449,11 @@ class AdaptiveSpan(nn.Module):
         of c queries: chunk [i0, i1) is scored against the key rows [i0 - w, i1 + w) of the
         zero-padded K, a view, by one matmul [b,h,c,d] x [b,h,d,c+2w]; keys outside a
         query's band are masked. So no [b,h,n,d,2w+1] copy of K or V is made (an unfolded
-        window's einsum made one each, 16x the softmax model's peak memory at 4 x 4096
-        tokens), at the cost of scoring c + 2w keys per query instead of 2w + 1 (c =
-        max(``_SPAN_CHUNK``, span)). The distance of key slot t from query a of a chunk is
-        t - w - a in every chunk, so the band and the soft mask are built once."""
+        window's einsum made one each: 11x the softmax model's peak memory in the bench
+        encoder at 4 x 4096 tokens, 2.1x now), at the cost of scoring c + 2w keys per query
+        instead of 2w + 1 (c = max(``_SPAN_CHUNK``, span)). The distance of key slot t from
+        query a of a chunk is t - w - a in every chunk, so the band and the soft mask are
+        built once."""
         b, h, n, _ = q.shape
         left = span - 1
         right = 0 if ctx.causal else left
