@@ -233,6 +233,29 @@ def test_hardcoded_gaussian_matches_naive_loop(causal, padded):
     assert torch.allclose(res.probs.sum(-1), pref.sum(-1))  # rows sum to 1 (0 if empty)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("n, m", [(40, 40), (6, 40)])
+def test_hardcoded_gaussian_on_sdpa_equals_the_weights_path(causal, n, m):
+    """Without need_weights the prior runs as SDPA's mask (zero q and k): outputs and the
+    gradient of v equal the explicit path's (the one the loop test checks) to 1e-5, with
+    padding, queries aligned to the last keys (n < m) and a sequence of padding only."""
+    mech = build("hardcoded_gaussian(offsets=[-1, 2, 0], sigma=1.5)")
+    keep = torch.ones(B, m, dtype=torch.bool)
+    keep[0, m - 7 :] = False
+    keep[1] = False  # no key at all: its rows give 0
+    got = []
+    for weights in (False, True):
+        q, k, v = (x.requires_grad_() for x in rand(n, m, seed=3))
+        ctx = attnlab.AttnContext(key_mask=keep, causal=causal, need_weights=weights)
+        out = mech(q, k, v, ctx).out
+        (out * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum().backward()
+        got.append((out.detach(), v.grad))
+        assert q.grad is None and k.grad is None  # neither is read
+    for a, b in zip(*got, strict=True):
+        torch.testing.assert_close(a, b, **TOL)
+    assert got[0][0][1].abs().max() == 0  # the sequence of padding only
+
+
 def test_hardcoded_gaussian_ignores_queries_and_keys():
     mech = build("hardcoded_gaussian")
     q, k, v = rand(7)

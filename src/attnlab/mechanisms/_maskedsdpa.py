@@ -26,11 +26,13 @@ def masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.T
                 key_mask: torch.Tensor | None, causal: bool, scale: float,
                 dropout: float) -> torch.Tensor:
     """softmax(Q K^T * scale + bias + masks) V -> [b, h, n, dv]; q [b, h, n, d], k, v
-    [b, h, m, d|dv], bias [1, n, m] (additive: 0 / -inf), key_mask [b, m] (True = key) or
-    None, causal: j <= i (with n == m). Rows with no allowed key -> 0."""
+    [b, h, m, d|dv], bias [1, n, m] (one for every head) or [b|1, h|1, n, m] (additive: a
+    pattern's 0 / -inf, or any constant prior), key_mask [b, m] (True = key) or None,
+    causal: j <= i (queries aligned to the last n keys). Rows with no allowed key -> 0."""
     n, m = q.shape[-2], k.shape[-2]
     neg = float("-inf")
-    mask = bias.to(device=q.device, dtype=q.dtype)[:, None]  # [1,1,n,m]
+    mask = bias.to(device=q.device, dtype=q.dtype)
+    mask = mask if mask.dim() == 4 else mask[:, None]  # [b|1,h|1,n,m]
     if key_mask is not None:
         keys = key_mask.to(device=q.device, dtype=torch.bool)[:, None, None, :]  # [b,1,1,m]
         mask = mask.masked_fill(~keys, neg)  # [b,1,n,m]

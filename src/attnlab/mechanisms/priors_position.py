@@ -33,6 +33,7 @@ from ..core import (
     masked_softmax,
     register_mechanism,
 )
+from ._maskedsdpa import masked_sdpa
 from .priors import allowed_pairs
 
 FAMILY = "priors"
@@ -267,7 +268,9 @@ class HardcodedGaussian(nn.Module):
     alternate centres i-1 and i+1: ``--enc-attn-offset -1 1``; its decoder uses
     ``-1 0``, i.e. offsets=[-1, 0] with causal masking) and sigma 1.
     The offsets cycle over the heads of this mechanism's group, in its own head order.
-    Complexity O(n*m) (the weights are materialised; no parameters).
+    Complexity O(n*m) (no parameters). Without ``need_weights`` or attention dropout it runs
+    on ``F.scaled_dot_product_attention`` (``_maskedsdpa``) with the prior as its mask, so
+    only the [h, n, m] prior is materialised, not the [b, h, n, m] weights.
     Deviations: the official code uses the Gaussian density values themselves as weights
     (rows sum to ~1 for sigma=1 away from the edges, less at the edges and next to
     padding); here each row is renormalised over its visible keys, so rows sum to 1 and
@@ -299,4 +302,12 @@ class HardcodedGaussian(nn.Module):
         check_qkv(q, k, v, self.dims)
         n, m = q.shape[-2], k.shape[-2]
         logits = self.logits(n, m, v.device).to(v.dtype)[None]  # [1,h,n,m]
-        return _attend(logits, v, ctx, self.training)
+        if ctx.need_weights or (self.training and ctx.dropout > 0):
+            return _attend(logits, v, ctx, self.training)
+        # softmax(0 + logits + masks) V on SDPA's fused kernel: zero queries and keys make
+        # every score 0, so the prior is the whole logit, and the [b,h,n,m] probabilities
+        # are never stored (the [1,h,n,m] prior is). Zeros of v's head dim: the CPU flash
+        # kernel needs equal q, k and v dims (else the materialising math path runs).
+        zq = v.new_zeros(*v.shape[:2], n, v.shape[-1])  # [b,h,n,dv]
+        zk = v.new_zeros(v.shape)  # [b,h,m,dv]
+        return AttnOutput(masked_sdpa(zq, zk, v, logits, ctx.key_mask, ctx.causal, 1.0, 0.0))
