@@ -38,6 +38,7 @@ from ..core import (
     masked_softmax,
     register_mechanism,
 )
+from ._maskedsdpa import masked_sdpa
 
 FAMILY = "memory"
 
@@ -181,12 +182,19 @@ class MCA(nn.Module):
         vc, _ = compress(v, keep, self.value_weight, self.value_bias)  # [b,h,S,dv]
         S, scale = kc.shape[2], ctx.scale_for(d)
         p = ctx.dropout if self.training else 0.0
-        scores_c = (q @ kc.transpose(-1, -2)) * scale  # [b,h,n,S]
-        allowed_c = slot_ok[:, None, None, :].expand(b, 1, n, S)  # [b,1,n,S]
+        allowed_c = slot_ok[:, None, None, :]  # [b,1,1,S]
         if ctx.causal:
             pos = torch.arange(n, device=q.device)[:, None] + (m - n)  # [n,1]
             end = torch.arange(S, device=q.device)[None, :] * c + (c - 1)  # [1,S]
             allowed_c = allowed_c & (end <= pos)
+        if B == 0 and not ctx.need_weights and p == 0:
+            # softmax over the slots on SDPA's fused kernel: the [b,h,n,S] scores and
+            # probabilities are not stored (on the CPU, the flash kernel)
+            bias = torch.zeros(allowed_c.shape, dtype=q.dtype, device=q.device)
+            bias.masked_fill_(~allowed_c, float("-inf"))  # [b,1,1|n,S]
+            return AttnOutput(masked_sdpa(q, kc, vc, bias, None, False, scale, 0.0))
+        scores_c = (q @ kc.transpose(-1, -2)) * scale  # [b,h,n,S]
+        allowed_c = allowed_c.expand(b, 1, n, S)  # [b,1,n,S]
         if B == 0:
             probs = masked_softmax(scores_c, allowed_c.expand(b, h, n, S))  # [b,h,n,S]
             out = _dropout(probs, p) @ vc  # [b,h,n,dv]
