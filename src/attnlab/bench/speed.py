@@ -228,8 +228,10 @@ def run_child(module: str, kwargs: dict[str, Any], env: dict[str, str] | None = 
         check=False, env=env,
     )
     if res.returncode != 0:
-        raise RuntimeError(f"benchmark subprocess failed for {kwargs}:\n{res.stderr[-2000:]}"
-                           f"\n{exit_reason(res.returncode, res.stderr)}")
+        tail = res.stderr[-2000:].rstrip()  # ends with the error line when the child printed one
+        why = exit_reason(res.returncode, res.stderr)
+        raise RuntimeError(f"benchmark subprocess failed for {kwargs}:\n{tail}"
+                           + ("" if tail.endswith(why) else f"\n{why}"))
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 

@@ -1,5 +1,7 @@
-"""Dense masked softmax attention through ``F.scaled_dot_product_attention``: the short-input
-path of the position patterns (``sparse._run``) when no weights are returned.
+"""Dense masked softmax attention through ``F.scaled_dot_product_attention``, when no
+weights are returned: the short-input path of the position patterns (``sparse._run``),
+``hardcoded_gaussian`` (its prior as the bias, zero queries and keys) and ``mca`` (the
+compressed slots' mask as the bias).
 
 Why: below the blocked engine's length (and for BigBird when its blocks cover about every
 key) a pattern is dense softmax under its mask. ``core.reference_attention`` builds that
@@ -38,7 +40,7 @@ def masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.T
         mask = mask.masked_fill(~keys, neg)  # [b,1,n,m]
     if causal:
         mask = mask.masked_fill(~causal_mask(n, m, q.device), neg)
-    live = ~torch.isneginf(mask).all(-1, keepdim=True)  # [b|1,1,n,1]
+    live = ~torch.isneginf(mask).all(-1, keepdim=True)  # [b|1,h|1,n,1]
     dead = not bool(live.all())
     if dead:  # a row of -inf would give NaN: give it every key, zero it after
         mask = mask.masked_fill(~live, 0.0)
