@@ -87,3 +87,37 @@ def test_bad_chunk_size_env_is_one_line(raw):
          " width=192, pattern=lambda i, j: (i - j).abs() <= 64, extra=None, key_mask=None,"
          " causal=False, scale=1.0, dropout=0.0)"], env=env, capture_output=True, text=True)
     assert engine.returncode != 0 and "ValueError: ATTNLAB_CHUNK_ELEMS" in engine.stderr
+
+
+@pytest.mark.parametrize("command", [
+    ["analyze", "heads", "{tmp}/runs[b, h]/x"],
+    ["data", "text", "--out", "{tmp}/out", "--data-dir", "{tmp}/no[b]data"],
+    ["tlm", "retrieve", "{tmp}/runs[b, h]/tlm.yaml"],
+])
+def test_every_command_group_prints_the_message_whole_and_obeys_debug(tmp_path, command):
+    """One printer for every command group (``cli_errors``): the message is text, not rich
+    markup (a path or a shape glossary's "[b, h]" stays whole), on one line however long,
+    and ``--debug`` raises instead."""
+    args = [a.format(tmp=tmp_path) for a in command]
+    line = _error_line(runner.invoke(app, args, terminal_width=80))
+    assert "[b, h]" in line or "no[b]data" in line, line
+    res = runner.invoke(app, ["--debug", *args])
+    assert res.exit_code != 0 and res.exception is not None
+    assert not isinstance(res.exception, SystemExit), res.output
+
+
+def test_no_command_module_reaches_back_into_the_root_cli():
+    """The command groups share ``cli_errors``; none imports ``attnlab.cli`` (which imports
+    them), not even inside a function."""
+    import ast
+    from pathlib import Path
+
+    import attnlab
+
+    root = Path(attnlab.__file__).parent
+    for path in sorted(root.glob("cli_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                names = {a.name for a in node.names}
+                assert not (node.level == 1 and (node.module == "cli" or (
+                    node.module is None and "cli" in names))), f"{path.name} imports attnlab.cli"

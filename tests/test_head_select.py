@@ -211,7 +211,8 @@ def test_run_without_an_analysis_is_refused_before_anything_runs(tmp_path):
 
 
 def test_run_resolves_against_a_file_and_records_explicit_heads(tmp_path, capsys):
-    from attnlab.recipes.finetune import load_run_model, run_experiment
+    from attnlab.recipes.finetune import run_experiment
+    from attnlab.recipes.runmodel import load_run_model
 
     # scratch:tiny has 2 layers x 2 heads
     analysis = to_json(tmp_path / "a" / "head_scores.json",

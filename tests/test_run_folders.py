@@ -13,7 +13,8 @@ from typer.testing import CliRunner
 
 from attnlab.cli import app
 from attnlab.config import load_config
-from attnlab.recipes.finetune import degenerate_warning, run_experiment
+from attnlab.recipes.evaluation import degenerate_warning
+from attnlab.recipes.finetune import run_experiment
 
 runner = CliRunner()
 TINY = ["task.data_dir=builtin", "model.name=scratch:tiny", "model.max_length=16",

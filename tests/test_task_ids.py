@@ -12,7 +12,8 @@ from typer.testing import CliRunner
 from attnlab.cli import app
 from attnlab.hf import set_task_id
 from attnlab.hf.backend import forward_state
-from attnlab.recipes.finetune import evaluate_run, load_run_model
+from attnlab.recipes.finetune import evaluate_run
+from attnlab.recipes.runmodel import load_run_model
 
 runner = CliRunner()
 TINY = ["task.data_dir=builtin", "model.name=scratch:tiny", "model.max_length=16",

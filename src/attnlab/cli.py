@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, cast
 
@@ -21,6 +19,7 @@ from rich.table import Table
 from .cli_analyze import analyze_app, report
 from .cli_bench import bench_lra, bench_record
 from .cli_data import app as data_app
+from .cli_errors import fail, set_debug, user_errors
 from .cli_tlm import tlm_app
 
 app = typer.Typer(
@@ -35,51 +34,16 @@ console = Console()
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the embedded model never needs the network
 
 
-_DEBUG = {"on": False}  # --debug: tracebacks instead of one-line errors
-
-
 @app.callback()
 def _options(
     debug: Annotated[bool, typer.Option(
         "--debug", help="Show the full traceback of an error instead of one line.")] = False,
 ) -> None:
-    _DEBUG["on"] = debug
+    set_debug(debug)
     from .mechanisms import chunk_elems_error  # ATTNLAB_CHUNK_ELEMS, read at import
 
     if (problem := chunk_elems_error()) is not None:
-        _fail(problem)
-
-
-def _fail(message: str) -> None:
-    from rich.markup import escape
-
-    lines = str(message).strip().splitlines() or ["(no message)"]
-    console.print(f"[bold red]error:[/] {escape(lines[0])}", soft_wrap=True)
-    raise typer.Exit(code=2)
-
-
-def _user_error_types() -> tuple[type[BaseException], ...]:
-    """Errors of use (bad config, data, model, plan, missing package, unwritable folder):
-    one line and exit status 2. Anything else is a bug and keeps its traceback."""
-    from .config import ConfigError
-    from .core import RegistryError
-    from .hf.arch import UnsupportedModelError
-    from .hf.plan import PlanError
-    from .tasks.base import DataFormatError, MissingPackageError
-
-    return (ConfigError, RegistryError, PlanError, UnsupportedModelError, DataFormatError,
-            MissingPackageError, FileNotFoundError, NotADirectoryError, PermissionError)
-
-
-@contextmanager
-def _user_errors() -> Iterator[None]:
-    try:
-        yield
-    except _user_error_types() as e:
-        if _DEBUG["on"]:
-            raise
-        msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)  # no KeyError quotes
-        _fail(str(msg))
+        fail(problem)
 
 
 @app.command("ls")
@@ -157,15 +121,11 @@ def demo(
     )] = None,
 ) -> None:
     """Apply a plan to the embedded MiniLM and compare it with the untouched model."""
-    from .core import RegistryError
     from .recipes.demo import DEFAULT_PLAN, run_demo
 
-    try:
+    with user_errors(ValueError):
         rows, report = run_demo(plan or DEFAULT_PLAN, repeats=repeats, analysis=analysis,
                                 echo=lambda text: console.print(text, markup=False))
-    except (RegistryError, ValueError, FileNotFoundError) as e:
-        _fail(str(e))
-        return
     console.print(report)
     table = Table(title="embedded all-MiniLM-L6-v2: sentence embeddings vs untouched")
     for col in ("model", "cos mean", "cos min", "ms / batch", "peak MB"):
@@ -185,15 +145,13 @@ Overrides = Annotated[
 def _load(config: str | None, overrides: list[str] | None):
     from pathlib import Path
 
-    from .config import ConfigError, load_config
+    from .config import load_config
 
     if config is not None and "=" in config and not Path(config).exists():
         overrides = [config, *(overrides or [])]  # no file: all overrides
         config = None
-    try:
+    with user_errors():
         return load_config(config, overrides or [])
-    except ConfigError as e:
-        _fail(str(e))
 
 
 @app.command()
@@ -205,7 +163,7 @@ def validate(config: str, overrides: Overrides = None) -> None:
     from .recipes.preflight import preflight
 
     cfg = _load(config, overrides)
-    with _user_errors():
+    with user_errors():
         preflight(cfg, load_data=True)
     console.print(resolved_yaml(with_optim_defaults(cfg)), markup=False)
     console.print("[green]config is valid[/]")
@@ -238,7 +196,7 @@ def _run_and_report(cfg, resume: bool, overwrite: bool, keep_checkpoints: bool) 
 
     if keep_checkpoints:
         cfg = replace(cfg, train=replace(cfg.train, keep_checkpoints=True))
-    with _user_errors():
+    with user_errors():
         preflight(cfg)
         cfg, note = fresh_run(cfg, resume=resume, overwrite=overwrite)
         if note:
@@ -271,7 +229,7 @@ def quickstart(
     """The main job: fine-tune the embedded MiniLM on CoLA and print the result table."""
     from .recipes.quickstart import quickstart_config
 
-    with _user_errors():
+    with user_errors():
         cfg = quickstart_config(data_dir, overrides)
     console.print(f"[bold]quickstart[/]: CoLA from {cfg.task.data_dir}, "
                   f"{cfg.train.epochs:g} epoch(s), batch {cfg.train.batch_size}")
@@ -286,7 +244,7 @@ def eval_run(
     """Re-evaluate a finished run from its config, plan and tuned weights."""
     from .recipes.finetune import evaluate_run
 
-    with _user_errors():
+    with user_errors():
         metrics = evaluate_run(run_dir, data_dir)
     typer.echo(json.dumps(metrics, indent=2))
 
@@ -319,11 +277,11 @@ def compare(
     from .recipes.rundir import fresh_run
 
     cfg = _load(config, overrides)
-    with _user_errors():
+    with user_errors():
         cfg, note = fresh_run(cfg, resume=resume, overwrite=overwrite)
         if note:
             console.print(note, markup=False)
-    with _user_errors():
+    with user_errors():
         if parallel < 1:
             raise ConfigError(f"--parallel {parallel}: give 1 or more runs at a time")
         if best_seeds is not None and best_seeds <= seeds:
@@ -353,7 +311,7 @@ def collect(
     from .recipes.collect import collect as collect_rows
     from .recipes.collect import write_collected
 
-    try:
+    with user_errors():
         rows = collect_rows(runs, show, matrix=matrix)
         if versus is not None:
             if matrix:
@@ -363,8 +321,6 @@ def collect(
 
             rows = add_versus(rows, versus)
         write_collected(rows, out, show, matrix=matrix)
-    except ConfigError as e:
-        _fail(str(e))
     main = "matrix" if matrix else "comparison"
     console.print((out / f"{main}.md").read_text(), markup=False)
     extra = "matrix.md, matrix.png" if matrix else "comparison.png"
@@ -389,11 +345,10 @@ def params(
     """Trainable-parameter accounting of a tuner on a published architecture (no download)."""
     from .tuning.accounting import ModelConfigName, TaskType, format_params, params_report
 
-    try:  # params_report refuses unknown names (ValueError naming the choices)
+    # params_report refuses unknown names (ValueError naming the choices)
+    with user_errors(ValueError, KeyError):
         report = params_report(cast(ModelConfigName, model_config), tuning,
                                cast(TaskType, task_type))
-    except (ValueError, KeyError) as e:
-        _fail(str(e))
     typer.echo(format_params(report))
 
 
@@ -451,9 +406,9 @@ def bench_speed(
 
     _check_device(device)
     if dtype not in ("float32", "bfloat16"):
-        _fail(f"--dtype {dtype}: use float32 or bfloat16")
+        fail(f"--dtype {dtype}: use float32 or bfloat16")
     names = [m.strip() for m in split_top(mechanisms, ",") if m.strip()] if mechanisms else None
-    with _user_errors():
+    with user_errors():
         results = run_suite(out, names, tuple(int(x) for x in n.split(",")), repeats=repeats,
                             threads=threads, dense_max_n=dense_max_n, fit_from=fit_from,
                             device=device, dtype=dtype)
@@ -498,9 +453,9 @@ def _check_device(device: str) -> None:
     import torch
 
     if device not in ("cpu", "cuda"):
-        _fail(f"unknown device {device!r}: use cpu or cuda")
+        fail(f"unknown device {device!r}: use cpu or cuda")
     if device == "cuda" and not torch.cuda.is_available():
-        _fail("--device cuda: this torch sees no CUDA GPU; use --device cpu")
+        fail("--device cuda: this torch sees no CUDA GPU; use --device cpu")
 
 
 app.add_typer(analyze_app, name="analyze")

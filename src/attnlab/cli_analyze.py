@@ -20,7 +20,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from .core import RegistryError
+from .cli_errors import fail, user_errors
 
 T = TypeVar("T")
 analyze_app = typer.Typer(
@@ -31,24 +31,12 @@ console = Console()
 err_console = Console(stderr=True)
 
 
-def _fail(message: str) -> None:
-    console.print(f"[bold red]error:[/] {message}", markup=True, highlight=False)
-    raise typer.Exit(code=2)
-
-
 def _progress(items: Iterable[T], total: int, description: str) -> Iterable[T]:
     """A rich progress bar over batches (on stderr, so tables on stdout stay clean)."""
     from rich.progress import track  # start-up: only commands that show a bar need it
 
     return track(items, total=total, description=description, console=err_console,
                  transient=True)
-
-
-def _errors() -> tuple[type[BaseException], ...]:
-    """What bad input raises: missing files, bad specs, unknown tasks, malformed data."""
-    from .hf.arch import UnsupportedModelError  # start-up: attnlab.hf loads transformers
-
-    return (FileNotFoundError, ValueError, KeyError, RegistryError, UnsupportedModelError)
 
 
 def _print_summary(result: Any, out: Path) -> None:
@@ -107,8 +95,8 @@ def heads(
     from .recipes import analyze as rec  # start-up: the recipe loads transformers
 
     if compare is not None and model is not None:
-        _fail("give either MODEL or --compare A B, not both")
-    try:
+        fail("give either MODEL or --compare A B, not both")
+    with user_errors(ValueError, KeyError):
         head_list = rec.parse_heads(heads)
         specs = list(compare) if compare is not None else [model or "default"]
         results, outs = [], []
@@ -133,9 +121,6 @@ def heads(
             outs.append(folder)
         if compare is not None:
             doc, _ = rec.compare_analyses(results[0], results[1], outs[0].parent)
-    except _errors() as e:
-        _fail(str(e).strip("'\""))
-        return
     for result, folder in zip(results, outs, strict=True):
         _print_summary(result, folder)
     if compare is not None and "changed" in doc:
@@ -184,7 +169,7 @@ def importance(
     from .recipes import analyze as rec  # start-up: the recipes load transformers
     from .recipes.importance import run_importance, write_importance
 
-    try:
+    with user_errors(ValueError, KeyError):
         loaded = rec.load_model(model)
         source = rec.source_for(loaded, rec.TextSource(
             task=task or "cola", split=split, data_dir=data_dir, limit=limit,
@@ -197,9 +182,6 @@ def importance(
             result.meta["command"] = shlex.join(["attnlab", *sys.argv[1:]])
         folder = out or rec.default_out(loaded)
         write_importance(result, folder)
-    except _errors() as e:
-        _fail(str(e).strip("'\""))
-        return
     _print_importance(result, folder)
 
 
@@ -247,12 +229,9 @@ def overlap(
     from .recipes import analyze as rec  # start-up: the recipes load transformers
 
     results: dict[str, Any] = {}
-    try:
+    with user_errors(ValueError, KeyError):
         for spec in models:
             results[spec] = model_overlap(rec.load_model(spec).model)
-    except _errors() as e:
-        _fail(str(e).strip("'\""))
-        return
     first = next(iter(results.values()))
     table = Table(title="W_O subspace overlap between heads (mean cos^2 of the principal "
                         f"angles over pairs of heads; chance {first['chance']:.3f})")
@@ -313,8 +292,8 @@ def links(
     from .recipes import analyze as rec  # start-up: the recipes load transformers
 
     if sentences < 1:
-        _fail(f"--sentences must be at least 1, got {sentences}")
-    try:
+        fail(f"--sentences must be at least 1, got {sentences}")
+    with user_errors(ValueError, KeyError):
         rhos = parse_rhos(rho)
         loaded = rec.load_model(model)
         head_list = head_set(heads, inspect_model(loaded.model).num_heads)
@@ -324,9 +303,6 @@ def links(
         result = jump_link_shares(loaded.model, loaded.tokenizer, feats, rhos,
                                   heads=head_list, padding=cast(PadMode, padding),
                                   batch_size=batch_size)
-    except _errors() as e:
-        _fail(str(e).strip("'\""))
-        return
     chosen = heads if heads in ("all", "even", "odd") else ",".join(map(str, head_list))
     console.print(f"{loaded.name}: {result.examples} examples of {source.describe()} (max "
                   f"length {max_length}); heads {chosen} of every layer; padding {padding}",
@@ -361,12 +337,9 @@ def report(
     """One self-contained HTML report of a run: config, plan, metrics, head grids, explorer."""
     from .recipes.run_report import run_report  # start-up: loads transformers, matplotlib
 
-    try:
+    with user_errors(ValueError, KeyError):
         path, origin = run_report(run_dir, out=out, sample=sample, data_dir=data_dir,
                                   batch_size=batch_size, progress=_progress)
-    except _errors() as e:
-        _fail(str(e).strip("'\""))
-        return
     console.print(f"head grids: {origin}")
     console.print(f"wrote {path}")
 
@@ -408,8 +381,8 @@ def connections(
     from .recipes import connections as rec  # start-up: loads transformers, matplotlib
 
     if compare is not None and run_dir is not None:
-        _fail("give either RUN_DIR or --compare RUN_A RUN_B, not both")
-    try:
+        fail("give either RUN_DIR or --compare RUN_A RUN_B, not both")
+    with user_errors(ValueError, KeyError):
         specs = list(compare) if compare is not None else [run_dir or "default"]
         source = rec.ConllSource(split=split, data_dir=data_dir, limit=limit,
                                  max_length=max_length)
@@ -433,9 +406,6 @@ def connections(
             outs.append(folder)
         if compare is not None:
             rec.compare_connections(results[0], results[1], outs[0].parent)
-    except _errors() as e:
-        _fail(str(e).strip("'\""))
-        return
     for result, folder in zip(results, outs, strict=True):
         rows = result.counts.rows()
         table = Table(title=f"major connections per layer: {rec.describe(result)} "

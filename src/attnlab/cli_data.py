@@ -16,6 +16,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from .cli_errors import fail, user_errors
 from .tasks import bytetext as bt
 from .tasks import listops as lo
 from .tasks import recall as rc
@@ -40,15 +41,12 @@ def listops(
         help="Keep trees shorter than this (tokens, parentheses not counted).")] = lo.MAX_LENGTH,
 ) -> None:
     """Generate the LRA ListOps TSVs (defaults: LRA's; full size: ~2-3 min, 0.7 GB)."""
-    try:
+    with user_errors(ValueError, RuntimeError, OSError):
         paths = lo.write_listops(
             out, num_train=num_train, num_valid=num_valid, num_test=num_test,
             max_depth=max_depth, max_args=max_args, min_length=min_length,
             max_length=max_length, seed=seed, progress=True,
         )
-    except (ValueError, RuntimeError, OSError) as e:
-        console.print(f"[bold red]error:[/] {e}")
-        raise typer.Exit(code=2) from None
     console.print(f"ListOps, seed {seed}, lengths {min_length} < n < {max_length}:")
     rows = {"train": num_train, "dev": num_valid, "test": num_test}
     for split, path in paths.items():
@@ -87,14 +85,11 @@ def recall(
         help="Fill the non-query slots with random symbols.")] = True,
 ) -> None:
     """Generate multi-query associative recall (Zoology's MQAR; defaults: Zoology's)."""
-    try:
+    with user_errors(ValueError, OSError):
         paths = rc.write_recall(
             out, num_train=num_train, num_dev=num_dev, num_test=num_test,
             vocab_size=vocab_size, input_seq_len=length, num_kv_pairs=num_kv_pairs,
             power_a=power_a, random_non_queries=random_non_queries, seed=seed)
-    except (ValueError, OSError) as e:
-        console.print(f"[bold red]error:[/] {e}")
-        raise typer.Exit(code=2) from None
     _written(f"MQAR, seed {seed}, length {length}, {num_kv_pairs} pairs, vocabulary "
              f"{vocab_size}:", paths, {"train": num_train, "dev": num_dev, "test": num_test},
              "recall", out)
@@ -115,12 +110,9 @@ def text(
         bt.MAX_BYTES),
 ) -> None:
     """Generate byte-level documents from SST-2, labelled by their one marked sentence."""
-    try:
+    with user_errors(ValueError, OSError):
         paths = bt.write_text(out, data_dir, num_train=num_train, num_dev=num_dev,
                               min_bytes=min_bytes, max_bytes=max_bytes, seed=seed)
-    except (ValueError, OSError) as e:
-        console.print(f"[bold red]error:[/] {e}")
-        raise typer.Exit(code=2) from None
     _written(f"byte-level text from SST-2, seed {seed}, {min_bytes}-{max_bytes} bytes:", paths,
              {"train": num_train, "dev": num_dev}, "text", out)
 
@@ -148,16 +140,11 @@ def squad_windows(
     try:
         wanted = [(s.split(":")[0].strip(), int(s.split(":")[1])) for s in splits.split(",")]
     except (IndexError, ValueError):
-        console.print(f"[bold red]error:[/] --splits {splits!r}: write SPLIT:LIMIT pairs, "
-                      "e.g. dev_train:4000,dev_eval:1000")
-        raise typer.Exit(code=2) from None
-    try:
+        fail(f"--splits {splits!r}: write SPLIT:LIMIT pairs, e.g. dev_train:4000,dev_eval:1000")
+    with user_errors(ValueError, OSError, ImportError):
         tok = transformers.AutoTokenizer.from_pretrained(default_model_path(),
                                                          local_files_only=True)
         loaded = [(split, limit, task.load(split, data_dir)[:limit]) for split, limit in wanted]
-    except (ValueError, OSError, ImportError) as e:
-        console.print(f"[bold red]error:[/] {e}")
-        raise typer.Exit(code=2) from None
     console.print(f"tokenizers {tokenizers.__version__}, transformers {transformers.__version__}"
                   f", the embedded MiniLM tokenizer, {max_length} tokens, stride "
                   f"{task.stride if task.stride is not None else max_length // 3}\n",

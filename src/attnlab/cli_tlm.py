@@ -1,7 +1,8 @@
 """``attnlab tlm``: TLM's retrieval and its two training stages (wired in by ``attnlab.cli``).
 
 TLM: Yao et al., "NLP From Scratch Without Large-Scale Pretraining: A Simple and Efficient
-Framework", ICML 2022. The pipeline and the config are documented in ``recipes.tlm``::
+Framework", ICML 2022. The pipeline is documented in ``recipes.tlm``, the config in
+``recipes.tlm_config``::
 
     attnlab tlm retrieve configs/tlm_cola.yaml              # index + top-K (cached), once
     attnlab tlm train configs/tlm_cola.yaml seed=1 external=random   # stage 1, then stage 2
@@ -26,6 +27,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from .cli_errors import user_errors
+
 tlm_app = typer.Typer(
     help="TLM: BM25 retrieval + joint MLM/task training from scratch, then fine-tuning.",
     no_args_is_help=True, pretty_exceptions_show_locals=False)
@@ -42,20 +45,14 @@ Resume = Annotated[bool, typer.Option(
 def _errors() -> Iterator[None]:
     """Errors of use (bad config, data, missing corpus, empty retrieval, a bad index): one
     line and exit status 2 (``attnlab --debug``: the traceback), as ``attnlab run``."""
-    from . import cli as root  # the --debug flag and the one-line error printer live there
     from .tlm.retrieve import EmptyRetrievalError
 
-    errors: tuple[type[BaseException], ...] = (*root._user_error_types(), EmptyRetrievalError)
-    try:
+    with user_errors(EmptyRetrievalError):
         yield
-    except errors as e:
-        if root._DEBUG["on"]:
-            raise
-        root._fail(str(e.args[0] if isinstance(e, KeyError) and e.args else e))
 
 
 def _config(config: str, overrides: list[str] | None):
-    from .recipes.tlm import load_tlm_config
+    from .recipes.tlm_config import load_tlm_config
 
     return load_tlm_config(config, overrides or [])
 
@@ -71,7 +68,7 @@ def retrieve(
     drawn at random (seeded). external=none has nothing to retrieve."""
     import time
 
-    from .recipes.tlm import external_file
+    from .recipes.tlm_config import external_file
     from .tasks import get_task
 
     with _errors():
@@ -81,7 +78,7 @@ def retrieve(
             return
         t0 = time.perf_counter()
         task = get_task(cfg.task.name)
-        from .recipes.finetune import subset
+        from .recipes.evaluation import subset
 
         t = cfg.task
         examples = subset(task.load(t.train_split or task.train_split, t.data_dir),
@@ -142,7 +139,8 @@ def finetune(
     Settings: the run's config.yaml, with stage2.* / eval.* overrides (saved back to it);
     a new stage 2 replaces the folder's earlier one. --resume continues a stopped stage 2."""
     from .config import ConfigError
-    from .recipes.tlm import STAGE2_KEYS, load_tlm_config, run_tlm
+    from .recipes.tlm import run_tlm
+    from .recipes.tlm_config import STAGE2_KEYS, load_tlm_config
 
     with _errors():
         if not (run_dir / "config.yaml").is_file():

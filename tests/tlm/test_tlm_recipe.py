@@ -14,7 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 from attnlab.config import ConfigError
-from attnlab.recipes.tlm import load_tlm_config, run_tlm
+from attnlab.recipes.tlm import run_tlm
+from attnlab.recipes.tlm_config import load_tlm_config
 
 ROOT = Path(__file__).resolve().parents[2]
 SHARED = ROOT.parent / "shared" / "data"
@@ -191,7 +192,7 @@ def test_bm25_and_random_from_a_corpus(tmp_path):
     """With the retrieval module: BM25 over a tiny corpus, and the random control drawing as
     many passages from the same pool (skips until attnlab.tlm.retrieve exists)."""
     pytest.importorskip("attnlab.tlm.retrieve")
-    from attnlab.recipes.tlm import external_file, read_external
+    from attnlab.recipes.tlm_config import external_file, read_external
     from attnlab.tasks import get_task
 
     corpus = tmp_path / "docs.jsonl"

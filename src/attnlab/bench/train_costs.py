@@ -85,7 +85,7 @@ def _padded(lengths: list[int], batches: list[list[int]]) -> int:
 def padding_table(data_dir: Path, limit: int = 8000, batch: int = 32) -> str:
     """Tokens an epoch computes on (each batch padded to its longest example)."""
     from ..config import load_config
-    from ..recipes.finetune import build_model
+    from ..recipes.runmodel import build_model
     from ..tasks import get_task
     from ..train.loop import epoch_batches
 

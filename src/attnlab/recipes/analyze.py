@@ -58,9 +58,9 @@ from ..hf.capture import capture_attention
 from ..io import atomic_write
 from ..models import load_model as load_hf_model
 from ..tasks import get_task, read_texts
-from .finetune import load_run_model
 from .naming import run_label, safe_name  # re-exported: cli_analyze and connections use them
 from .quickstart import SHARED_DATA
+from .runmodel import load_run_model
 
 T = TypeVar("T")
 # progress(iterable, total, description) -> the same items; the CLI passes a rich bar.

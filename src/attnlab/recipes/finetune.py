@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import random
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -29,147 +28,29 @@ from ..analysis.overlap import format_overlap, model_overlap
 from ..config import (
     ConfigError,
     ExperimentConfig,
-    load_config,
     resolved_yaml,
     run_config_changes,
     with_optim_defaults,
 )
 from ..hf.backend import aux_loss as mechanism_aux_loss
-from ..hf.backend import set_task_id
-from ..hf.plan import Plan
-from ..hf.surgery import SurgeryReport, apply_plan
 from ..io import write_json
-from ..models import load_model
 from ..tasks import get_task
 from ..train.checkpoint import TrainerState, list_checkpoints
 from ..train.loop import LoopParts, LoopSettings, fit, plan_steps
 from ..train.memory import peak_rss_mb, reset_peak_rss
 from ..train.optim import OptimSettings, build_optimizer
 from ..tuning.accounting import count_parameters
-from ..tuning.base import TaskInfo, TaskKind, load_tuned_file, resolve_tuning, save_tuned
+from ..tuning.base import TaskInfo, resolve_tuning, save_tuned
+from .evaluation import degenerate_warning, eval_splits_of, make_evaluator, subset
 from .head_select import Selection, resolve_run_plan
 from .preflight import preflight
 from .rundir import now, provenance, prune_finished
+from .runmodel import apply_run_plan, build_model, load_run_model, task_kind
 from .summary import RunSummary, write_summary
 
 # Tuners whose runs store the heads' W_O subspace overlap before and after training
 # (summary.json "head_overlap", attnlab.analysis.overlap).
 OVERLAP_TUNERS = ("wo_sparse",)
-
-
-def task_kind(task) -> TaskKind:
-    """Input layout for tuners: single / pair / ner / qa / other."""
-    if task.head == "token-classification":
-        return "ner"
-    if task.head == "question-answering":
-        return "qa"
-    if task.head == "sequence-classification":
-        return "pair" if len(getattr(task, "text_columns", ())) > 1 else "single"
-    return "other"
-
-
-def build_model(cfg: ExperimentConfig, task) -> tuple[torch.nn.Module, Any]:
-    """(model with the task's head, tokenizer) from ``cfg.model`` (``models.load_model``:
-    the embedded MiniLM, ``scratch:SIZE`` or a folder); heads are new (random)."""
-    head = task.head
-    model, tok = load_model(cfg.model.name, head, num_labels=max(task.num_labels, 1),
-                            id2label=(dict(enumerate(task.label_names)) if task.label_names
-                                      else None),
-                            attn_implementation=cfg.model.attn_implementation)
-    if head == "sequence-classification":
-        model.config.problem_type = task.problem_type
-    if cfg.model.dropout is not None:
-        for attr in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
-            if hasattr(model.config, attr):
-                setattr(model.config, attr, cfg.model.dropout)
-        for mod in model.modules():
-            if isinstance(mod, torch.nn.Dropout):
-                mod.p = cfg.model.dropout
-    return model, tok
-
-
-def apply_run_plan(model: torch.nn.Module, cfg: ExperimentConfig
-                   ) -> tuple[Plan | None, SurgeryReport | None]:
-    """Apply the run's attention plan (if any) and give task-conditioned mechanisms
-    (``camtl_prior``) the run's ``task.task_id``; the same in training and on reload."""
-    plan = Plan.parse(cfg.plan) if cfg.plan else None
-    report = apply_plan(model, plan) if plan is not None else None
-    if cfg.task.task_id is not None:  # preflight: a plan exists when a task id is set
-        set_task_id(model, cfg.task.task_id)
-    return plan, report
-
-
-def subset(examples: list, fraction: float, limit: int | None, seed: int) -> list:
-    """Seeded fraction of ``examples`` (order kept), then the first ``limit``."""
-    if fraction < 1.0:
-        keep = sorted(random.Random(seed).sample(range(len(examples)),
-                                                 max(1, round(fraction * len(examples)))))
-        examples = [examples[i] for i in keep]
-    return examples[:limit] if limit is not None else examples
-
-
-def make_evaluator(task, splits: dict[str, tuple[list, list]], tokenizer, seed: int,
-                   batch_size: int):
-    """evaluate(model) -> metrics; with several eval splits, names get a ``split/`` prefix.
-
-    A fresh collator per evaluation, seeded the same, so masked-LM masks are identical in
-    every evaluation. For single-label classification, ``evaluate.one_class`` gets, per
-    call, whether every prediction of some split was the same class (see
-    :func:`degenerate_warning`).
-    """
-    classify = (task.head == "sequence-classification"
-                and getattr(task, "problem_type", None) == "single_label_classification")
-
-    one_class_log: list[bool] = []  # evaluate.one_class: one entry per evaluation
-
-    def evaluate(model: torch.nn.Module) -> dict[str, float]:
-        device = next(model.parameters()).device
-        result: dict[str, float] = {}
-        one_class = False
-        for split, (examples, features) in splits.items():
-            collate = task.collator(tokenizer, seed=seed)
-            preds: list = []
-            for i in range(0, len(features), batch_size):
-                batch = collate(features[i : i + batch_size])
-                batch = {k: v.to(device) for k, v in batch.items()}
-                preds += task.batch_predictions(model(**batch), batch)
-            metrics = task.compute_metrics(preds, features, examples)
-            if classify and len(preds) > 1:
-                one_class |= len({int(torch.as_tensor(p).argmax()) for p in preds}) == 1
-            if len(splits) == 1:
-                result.update(metrics)
-            else:
-                result.update({f"{split}/{k}": v for k, v in metrics.items()})
-        one_class_log.append(one_class)
-        return result
-
-    evaluate.one_class = one_class_log  # type: ignore[attr-defined]  # read by the runner
-    return evaluate
-
-
-def degenerate_warning(one_class: list[bool], evals: list[dict], best_step: int | None,
-                       steps: int, lr: float) -> str | None:
-    """A message when the kept model predicted one class for every dev example (MCC 0, the
-    majority-class accuracy), else None. ``one_class`` holds this process's evaluations:
-    the last ``len(one_class)`` of ``evals``, or, after a finalize (Diff-Prune), more than
-    ``evals`` with the reported model's last."""
-    if not one_class:
-        return None
-    if len(one_class) > len(evals):  # finalized: the last evaluation is the result
-        kept = one_class[-1]
-    else:
-        mine = evals[len(evals) - len(one_class):]
-        at_best = [o for o, e in zip(one_class, mine, strict=True) if e["step"] == best_step]
-        kept = (at_best or one_class[-1:])[0]
-    if not kept:
-        return None
-    return (f"the kept model predicts one class for every dev example (after {steps} steps "
-            f"at lr {lr:g}): it learned only the majority class. Likely causes: too few "
-            "steps (raise train.epochs) or a learning rate too low or too high (optim.lr).")
-
-
-def eval_splits_of(cfg: ExperimentConfig, task) -> tuple[str, ...]:
-    return (cfg.task.eval_split,) if cfg.task.eval_split else tuple(task.eval_splits)
 
 
 def check_resumable(run_dir: Path, cfg: ExperimentConfig) -> None:
@@ -434,27 +315,3 @@ def evaluate_run(run_dir: str | Path, data_dir: str | None = None) -> dict[str, 
     evaluate = make_evaluator(task, splits, tok, cfg.seed, cfg.eval.batch_size)
     with torch.no_grad():
         return evaluate(model)
-
-
-def load_run_model(run_dir: str | Path) -> tuple[torch.nn.Module, Any, ExperimentConfig]:
-    """(model, tokenizer, config) of a finished run, rebuilt in eval mode.
-
-    The run's config.yaml rebuilds the architecture with the task's head, the plan is
-    re-applied, the tuner re-wraps the model, and ``tuned.safetensors`` fills in the trained
-    weights, so the model computes exactly what the run evaluated. Shared by ``attnlab eval``,
-    ``attnlab analyze heads`` and ``attnlab report``.
-    """
-    run_dir = Path(run_dir)
-    weights = run_dir / "tuned.safetensors"
-    if not weights.exists():
-        raise FileNotFoundError(f"{weights} not found: is {run_dir} a finished attnlab run?")
-    cfg = load_config(run_dir / "config.yaml")
-    task = get_task(cfg.task.name)
-    set_seed(cfg.seed)  # as in run_experiment: a scratch backbone that was not tuned (and
-    model, tok = build_model(cfg, task)  # so is not in tuned.safetensors) is its seeded init
-    apply_run_plan(model, cfg)
-    tuner, tcfg = resolve_tuning(cfg.tuning.method)
-    model = tuner.apply(model, tcfg, task=TaskInfo.from_tokenizer(tok, task_kind(task)))
-    load_tuned_file(model, tuner, weights)
-    model.eval()
-    return model, tok, cfg

@@ -340,7 +340,7 @@ def resolve_run_plan(cfg: ExperimentConfig) -> tuple[ExperimentConfig, Selection
     else:
         from accelerate.utils import set_seed
 
-        from .finetune import build_model  # cycle: finetune imports this module
+        from .runmodel import build_model
 
         set_seed(cfg.seed)  # the init the run starts from (a scratch encoder, a new head)
         model, tok = build_model(cfg, get_task(cfg.task.name))

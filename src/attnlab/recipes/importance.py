@@ -43,7 +43,7 @@ from ..hf.arch import inspect_model
 from ..io import atomic_write
 from ..tasks import get_task
 from .analyze import LoadedModel, Progress, TextSource, analyze_model
-from .finetune import make_evaluator
+from .evaluation import make_evaluator
 from .head_select import read_head_table
 
 TOP = 10  # heads listed in the Markdown summary

@@ -21,6 +21,7 @@ from ..models import SIZES
 from ..tasks import get_task
 from ..tasks.base import require_package
 from ..tuning import resolve_tuning
+from .evaluation import eval_splits_of
 from .head_select import check_run_selectors
 from .rundir import check_writable
 
@@ -85,8 +86,6 @@ def preflight(cfg: ExperimentConfig, load_data: bool = False) -> None:
             "../shared/data), 'builtin' for the shipped sample, or null for the hub")
     check_writable(cfg.run_dir)
     if load_data:
-        from .finetune import eval_splits_of  # cycle: finetune imports this module
-
         task.load(cfg.task.train_split or task.train_split, cfg.task.data_dir)
         for split in eval_splits_of(cfg, task):
             task.load(split, cfg.task.data_dir)

@@ -1,4 +1,4 @@
-"""TLM's two training stages (the pipeline and config are in ``recipes.tlm``).
+"""TLM's two training stages (the pipeline is ``recipes.tlm``, the config ``recipes.tlm_config``).
 
 Stage 1 has its own loop, :func:`train_stage1`: ``train.loop.fit`` walks one dataset epoch
 by epoch, while stage 1 draws each step's batch from one of two streams by a fixed
@@ -60,10 +60,10 @@ from ..train.loop import (
 )
 from ..train.memory import peak_rss_mb
 from ..train.optim import OptimSettings, build_optimizer
-from .finetune import degenerate_warning, make_evaluator, subset
+from .evaluation import degenerate_warning, make_evaluator, subset
 from .rundir import now, provenance, prune_finished
 from .summary import RunSummary, write_summary
-from .tlm import TlmConfig, external_file, read_external, tuning_spec
+from .tlm_config import TlmConfig, external_file, read_external, tuning_spec
 
 # Seed offsets: the external stream's order and the task batches' masks use seeds of their
 # own, so neither repeats the task stream's order or the external masks.
@@ -406,7 +406,7 @@ def load_tlm_run(run_dir: str | Path) -> tuple[TlmModel, Any]:
     """A finished TLM run's reported model (``run_dir/model.safetensors``, stage 2's best on
     dev) and the tokenizer it was trained with, in eval mode (head analysis reads
     ``model.encoder``)."""
-    from .tlm import load_tlm_config
+    from .tlm_config import load_tlm_config
 
     run_dir = Path(run_dir)
     path = run_dir / "model.safetensors"
@@ -422,7 +422,7 @@ def load_tlm_run(run_dir: str | Path) -> tuple[TlmModel, Any]:
 @dataclass
 class Stage2Result:
     """Stage 2's trainer state, whether each evaluation predicted one class (for
-    ``finetune.degenerate_warning``) and the model's parameter counts."""
+    ``evaluation.degenerate_warning``) and the model's parameter counts."""
 
     state: TrainerState
     one_class: list[bool] = field(default_factory=list)

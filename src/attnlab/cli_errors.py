@@ -1,0 +1,67 @@
+"""Errors of use at the command line: one line on the console and exit status 2.
+
+The one home of the CLI's error handling, shared by every ``cli*`` module: the ``--debug``
+switch (``attnlab --debug CMD`` shows the traceback instead), ``fail`` (the one-line
+printer) and ``user_errors`` (turns the exceptions that mean bad input into ``fail``).
+Anything else is a bug and keeps its traceback.
+
+The message is printed as text, not rich markup, so shapes such as ``[b, h, n]`` in a
+message reach the user whole; only its first line is shown (the rest is for ``--debug``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import NoReturn
+
+import typer
+from rich.console import Console
+from rich.text import Text
+
+_STATE = {"debug": False}  # --debug: tracebacks instead of one-line errors
+_console = Console()
+
+
+def set_debug(on: bool) -> None:
+    """``attnlab --debug``: let errors of use raise with their traceback."""
+    _STATE["debug"] = on
+
+
+def fail(message: object) -> NoReturn:
+    """Print ``error: <first line of message>`` and exit with status 2."""
+    lines = str(message).strip().splitlines() or ["(no message)"]
+    _console.print(Text.assemble(("error:", "bold red"), " ", lines[0]), soft_wrap=True)
+    raise typer.Exit(code=2)
+
+
+def user_error_types() -> tuple[type[BaseException], ...]:
+    """Errors of use (bad config, data, model, plan, missing package, unwritable folder)."""
+    # start-up: imported on use, so that ``attnlab --help`` loads no transformers
+    from .config import ConfigError
+    from .core import RegistryError
+    from .hf.arch import UnsupportedModelError
+    from .hf.plan import PlanError
+    from .tasks.base import DataFormatError, MissingPackageError
+
+    return (ConfigError, RegistryError, PlanError, UnsupportedModelError, DataFormatError,
+            MissingPackageError, FileNotFoundError, NotADirectoryError, PermissionError)
+
+
+def message_of(error: BaseException) -> str:
+    """The text of an error; a KeyError's without the quotes ``str`` puts around it."""
+    if isinstance(error, KeyError) and error.args:
+        return str(error.args[0])
+    return str(error)
+
+
+@contextmanager
+def user_errors(*extra: type[BaseException]) -> Iterator[None]:
+    """``with user_errors(ValueError): ...``: errors of use (``user_error_types`` and
+    ``extra``) become one line and exit status 2, unless ``--debug`` is on."""
+    try:
+        yield
+    except (*user_error_types(), *extra) as e:
+        if _STATE["debug"]:
+            raise
+        fail(message_of(e))
