@@ -142,14 +142,15 @@ def _owner_module(target: str) -> str:
     return target
 
 
-def _module_edges() -> dict[str, set[str]]:
-    """Module -> the attnlab modules it imports at module level.
+def _module_edges(top_only: bool = True) -> dict[str, set[str]]:
+    """Module -> the attnlab modules it imports at module level (``top_only=False``: also
+    inside functions).
 
     Only the named module is an edge, not its parent packages: Python runs a parent's
     ``__init__`` first, but a half-initialised parent package does not break the import."""
     graph: dict[str, set[str]] = {m: set() for m in MODULES}
     for imp in IMPORTS:
-        if not (imp.top and _ours(imp.target)):
+        if not ((imp.top or not top_only) and _ours(imp.target)):
             continue
         target = _owner_module(imp.target)
         if target and target != imp.module:
@@ -215,6 +216,15 @@ def test_no_import_cycle_at_module_level():
     assert cycle is None, (
         "module-level import cycle: " + " -> ".join(cycle or [])
         + "; make the imports one-way (move the shared part down a layer)")
+
+
+def test_no_import_cycle_even_through_imports_inside_functions():
+    """A lazy import (start-up time) is still an arrow of the design: recipes, the CLI's
+    command groups and every other module import one way only."""
+    cycle = _find_cycle(_module_edges(top_only=False))
+    assert cycle is None, (
+        "import cycle through an import inside a function: " + " -> ".join(cycle or [])
+        + "; move the shared part down a layer instead of importing it lazily")
 
 
 def _private(imp: Import) -> list[str]:
