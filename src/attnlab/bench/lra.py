@@ -435,14 +435,12 @@ def cost_plot(results: dict[str, Any], path: str | Path) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .plots import env_title, write_png
+    from .plots import env_title, place_labels, write_png
 
     s = results["settings"]
-    fig, ax = plt.subplots(figsize=(8, 6))
+    fig, ax = plt.subplots(figsize=(9, 7))
     for e in pts:
         ax.scatter(e["speed_ratio"], e["memory_ratio"], s=25, alpha=0.7)
-        ax.annotate(e["label"], (e["speed_ratio"], e["memory_ratio"]), fontsize=6,
-                    xytext=(3, 2), textcoords="offset points")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.axvline(1.0, color="grey", lw=0.8, ls="--")
@@ -455,4 +453,6 @@ def cost_plot(results: dict[str, Any], path: str | Path) -> Path | None:
     ax.grid(True, which="both", alpha=0.25)
     fig.suptitle(env_title(results["environment"]), fontsize=9)
     fig.tight_layout()
+    place_labels(ax, [e["speed_ratio"] for e in pts], [e["memory_ratio"] for e in pts],
+                 [e["label"] for e in pts])  # no label over another label or point
     return write_png(fig, path)
