@@ -163,3 +163,44 @@ def test_cli_bad_input_is_one_line(tmp_path, args, expect):
     lines = [ln for ln in res.output.strip().splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:") and expect in lines[0], res.output
     assert not (tmp_path / "out").exists()
+
+
+def test_labelled_positions_loss_and_gradients_equal_the_full_classifier():
+    """The recall cells' wrapper (``lra_cell.LabelledPositions``) runs the classifier at the
+    labelled positions only: without dropout its training loss and every gradient equal
+    the wrapped model's (classifier at every position, -100 ignored) to 1e-6; in eval mode
+    it returns the wrapped model's [b, n, C] logits."""
+    import copy
+
+    import torch
+
+    from attnlab.bench.lra_cell import LabelledPositions, build_model
+
+    wrapped = build_model("softmax", "token-classification", 50, 60, 16, seed=0)
+    assert isinstance(wrapped, LabelledPositions)
+    for mod in wrapped.modules():
+        if isinstance(mod, torch.nn.Dropout):
+            mod.p = 0.0
+    full = copy.deepcopy(wrapped.model)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(5, 60, (3, 16), generator=g)
+    mask = torch.ones_like(ids)
+    mask[2, 11:] = 0  # padding
+    labels = torch.full_like(ids, -100)
+    labels[0, 3], labels[0, 9], labels[1, 15], labels[2, 4] = 7, 49, 0, 21
+    wrapped.train(), full.train()
+    ours = wrapped(input_ids=ids, attention_mask=mask, labels=labels)
+    ref = full(input_ids=ids, attention_mask=mask, labels=labels)
+    assert ours.logits.shape == (4, 50)
+    torch.testing.assert_close(ours.loss, ref.loss, atol=1e-6, rtol=0)
+    ours.loss.backward()
+    ref.loss.backward()
+    for (name, p), q in zip(wrapped.model.named_parameters(), full.parameters(), strict=True):
+        if q.grad is None:
+            assert p.grad is None or not p.grad.any(), name
+            continue
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=0, msg=name)
+    wrapped.eval(), full.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(wrapped(input_ids=ids, attention_mask=mask).logits,
+                                   full(input_ids=ids, attention_mask=mask).logits)

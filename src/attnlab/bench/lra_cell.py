@@ -84,7 +84,41 @@ def build_model(spec: str, head: str, num_labels: int, vocab_size: int, length: 
     torch.manual_seed(seed)
     model = auto.from_config(cfg, attn_implementation="sdpa")
     apply_plan(model, plan_for(spec))
+    if head == "token-classification":
+        model = LabelledPositions(model)
     return model.to(device)
+
+
+class LabelledPositions(torch.nn.Module):
+    """A token-classification model whose training loss runs the classifier only at the
+    labelled positions (label != -100): the recall task labels its query positions alone
+    (8 of 512 at the bench's defaults), and with its 8,192 classes the classifier at every
+    position was most of a training step. The loss is the one of the wrapped model (mean
+    cross-entropy over the labelled positions); in eval mode, or without labels, the
+    wrapped model runs as is (logits [b, n, C] for the task's predictions). Hidden dropout
+    before the classifier draws a mask for the kept rows only, so with dropout the random
+    stream differs from the wrapped model's.
+
+    ``model``: a transformers ``*ForTokenClassification`` (``base_model``, ``dropout``,
+    ``classifier``)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None, **kwargs: Any) -> Any:
+        if labels is None or not self.training:
+            return self.model(input_ids=input_ids, attention_mask=attention_mask,
+                              labels=labels, **kwargs)
+        from transformers.modeling_outputs import TokenClassifierOutput
+
+        m: Any = self.model
+        hidden = m.base_model(input_ids, attention_mask=attention_mask, **kwargs)[0]  # [b,n,H]
+        keep = labels != -100  # [b,n]
+        logits = m.classifier(m.dropout(hidden[keep]))  # [k,C]: the labelled positions
+        loss = torch.nn.functional.cross_entropy(logits, labels[keep])
+        return TokenClassifierOutput(loss=loss, logits=logits)
 
 
 def _sync(device: str) -> None:
