@@ -365,3 +365,55 @@ def test_capture_attention_returns_probabilities(bert_factory, padded_batch, key
         assert (probs[~real[:, None, None, :].expand_as(probs)] == 0).all()  # padded keys
         sums = probs.sum(-1)  # [b,h,n]
         torch.testing.assert_close(sums, torch.ones_like(sums), **TOL)
+
+
+def _dense_hardcoded(mech, v, n, ctx):
+    """The weights path (``_attend`` over the [h, n, m] prior), which the loop test checks."""
+    from attnlab.mechanisms.priors_position import _attend
+
+    logits = mech.logits(n, v.shape[2], v.device, v.dtype).to(v.dtype)[None]
+    return _attend(logits, v, ctx, False).out
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float64, 1e-12)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("spec, n, m", [
+    ("hardcoded_gaussian", 200, 200),
+    ("hardcoded_gaussian(offsets=[-1, 2, 0], sigma=1.5)", 260, 260),
+    ("hardcoded_gaussian(offsets=[-3, 0], sigma=0.4)", 90, 300),
+    ("hardcoded_gaussian(offsets=[1], sigma=2.5)", 420, 420),
+])
+def test_hardcoded_gaussian_window_equals_the_dense_prior(spec, n, m, causal, dtype, tol):
+    """At length the mechanism runs as a depthwise convolution over the lags that reach the
+    sum (``_gaussian_window``), rows far from every visible key around their nearest one:
+    outputs and v's gradient equal the dense prior's, with right padding (queries deep in
+    it), a hole in the middle, a sequence with one key, one of padding only, n < m."""
+    mech = build(spec)
+    assert mech.windowed(n, m, dtype, causal)
+    keep = torch.ones(4, m, dtype=torch.bool)
+    keep[0, m - 90:] = False  # right padding: queries up to 90 keys from a visible one
+    keep[1, 40:120] = False  # a hole
+    keep[2] = False
+    keep[2, m // 3] = True  # one key
+    keep[3] = False  # padding only: its rows give 0
+    ctx = attnlab.AttnContext(key_mask=keep, causal=causal)
+    got = []
+    for dense in (False, True):
+        g = torch.Generator().manual_seed(5)
+        v = torch.randn(4, H, m, D, generator=g, dtype=dtype).requires_grad_()
+        q = torch.randn(4, H, n, D, generator=g, dtype=dtype)
+        out = _dense_hardcoded(mech, v, n, ctx) if dense else mech(q, v, v, ctx).out
+        (out * torch.linspace(-1, 1, out.numel(), dtype=dtype).view(out.shape)).sum().backward()
+        got.append((out.detach(), v.grad))
+    for a, b in zip(*got, strict=True):
+        torch.testing.assert_close(a, b, atol=tol, rtol=tol)
+    assert got[0][0][3].abs().max() == 0
+
+
+def test_hardcoded_gaussian_window_only_at_length():
+    """Short inputs, other dtypes and n > m keep the dense prior."""
+    mech = build("hardcoded_gaussian")
+    assert mech.windowed(64, 64, torch.float32, False) is False  # 33 lags: over half of 64
+    assert mech.windowed(66, 66, torch.float32, False)
+    assert not mech.windowed(512, 512, torch.bfloat16, False)
+    assert not mech.windowed(600, 512, torch.float32, False)

@@ -33,6 +33,7 @@ from ..core import (
     masked_softmax,
     register_mechanism,
 )
+from ._gaussian_window import FAST_DTYPES, gaussian_window, window_lags
 from ._maskedsdpa import masked_sdpa
 from .priors import allowed_pairs
 
@@ -268,9 +269,13 @@ class HardcodedGaussian(nn.Module):
     alternate centres i-1 and i+1: ``--enc-attn-offset -1 1``; its decoder uses
     ``-1 0``, i.e. offsets=[-1, 0] with causal masking) and sigma 1.
     The offsets cycle over the heads of this mechanism's group, in its own head order.
-    Complexity O(n*m) (no parameters). Without ``need_weights`` or attention dropout it runs
-    on ``F.scaled_dot_product_attention`` (``_maskedsdpa``) with the prior as its mask, so
-    only the [h, n, m] prior is materialised, not the [b, h, n, m] weights.
+    No parameters. Without ``need_weights`` or attention dropout, at length (float32 or
+    float64, n <= m, at most m/2 lags within reach: R = ceil(sigma sqrt(2 cutoff)) of the
+    centres, 15 for sigma 1 in float32) it runs as a depthwise convolution of the masked
+    values with the Gaussian, O(n*W) for W ~ 2R lags (``_gaussian_window``: equal to the
+    dense prior to the dtype's rounding, rows far from every visible key computed around
+    their nearest one); shorter inputs run on ``F.scaled_dot_product_attention``
+    (``_maskedsdpa``) with the prior as its mask (only the [h, n, m] prior is stored).
     Deviations: the official code uses the Gaussian density values themselves as weights
     (rows sum to ~1 for sigma=1 away from the edges, less at the edges and next to
     padding); here each row is renormalised over its visible keys, so rows sum to 1 and
@@ -281,7 +286,7 @@ class HardcodedGaussian(nn.Module):
     example: ClassVar[str] = "hardcoded_gaussian(offsets=[-1, 0, 1], sigma=1.0)"
     caps: ClassVar[Capabilities] = Capabilities(
         family=FAMILY, paper="You et al. 2020", keys_are_tokens=True, reads_qk=False,
-        complexity="O(n*m)",
+        complexity="O(n*sigma) (O(n*m) below ~60*sigma keys)",
     )
 
     offset_per_head: torch.Tensor  # buffer registered in __init__
@@ -293,16 +298,35 @@ class HardcodedGaussian(nn.Module):
         self.register_buffer("offset_per_head", torch.tensor(offs, dtype=torch.float32),
                              persistent=False)  # o_t [h]
 
-    def logits(self, n: int, m: int, device: torch.device) -> torch.Tensor:
-        """-(j - i - o_t)^2 / (2 sigma^2) as [h,n,m] float32."""
-        gap = -_distance(n, m, device) - self.offset_per_head.to(device)[:, None, None]
+    def windowed(self, n: int, m: int, dtype: torch.dtype, causal: bool) -> bool:
+        """Whether the convolution path runs (``_gaussian_window``): float32/64, queries
+        no more than keys, and a window of lags under half the keys (else the dense prior
+        costs about as much)."""
+        if dtype not in FAST_DTYPES or n > m:
+            return False
+        offs = [int(o) for o in self.offset_per_head.tolist()]
+        lo, hi = window_lags(offs, self.cfg.sigma, dtype, causal)
+        return 2 * (hi - lo + 1) <= m
+
+    def logits(self, n: int, m: int, device: torch.device,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """-(j - i - o_t)^2 / (2 sigma^2) as [h,n,m], computed in ``dtype`` (float32, or
+        float64 for float64 inputs)."""
+        dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        gap = (-_distance(n, m, device).to(dtype)
+               - self.offset_per_head.to(device, dtype)[:, None, None])
         return -gap.square() / (2 * self.cfg.sigma**2)  # [h,n,m]
 
     def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
         check_qkv(q, k, v, self.dims)
         n, m = q.shape[-2], k.shape[-2]
-        logits = self.logits(n, m, v.device).to(v.dtype)[None]  # [1,h,n,m]
-        if ctx.need_weights or (self.training and ctx.dropout > 0):
+        plain = not ctx.need_weights and not (self.training and ctx.dropout > 0)
+        if plain and self.windowed(n, m, v.dtype, ctx.causal):
+            offs = [int(o) for o in self.offset_per_head.tolist()]
+            return AttnOutput(gaussian_window(v, n, offs, self.cfg.sigma, ctx.key_mask,
+                                              ctx.causal))
+        logits = self.logits(n, m, v.device, v.dtype).to(v.dtype)[None]  # [1,h,n,m]
+        if not plain:
             return _attend(logits, v, ctx, self.training)
         # softmax(0 + logits + masks) V on SDPA's fused kernel: zero queries and keys make
         # every score 0, so the prior is the whole logit, and the [b,h,n,m] probabilities
