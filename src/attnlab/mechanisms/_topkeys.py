@@ -21,20 +21,28 @@ import torch
 from ..core import masked_softmax
 
 
-def _gather(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """Rows idx [b, h, n, k] of x [b, h, m, e] -> [b, h, n, k, e]."""
-    b, h, n, k = idx.shape
-    flat = idx.reshape(b, h, n * k, 1).expand(-1, -1, -1, x.shape[-1])
-    return x.gather(2, flat).view(b, h, n, k, x.shape[-1])
+def _rows(idx: torch.Tensor, m: int) -> torch.Tensor:
+    """idx [b, h, n, k] (rows of each [m, e] slice) -> the same rows of the flat
+    [b*h*m, e] view, [b, h, n, k]."""
+    b, h = idx.shape[:2]
+    return idx + torch.arange(0, b * h * m, m, device=idx.device).view(b, h, 1, 1)
 
 
-def _scatter_add(like: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Adjoint of ``_gather``: zeros like ``like`` [b, h, m, e] with rows [b, h, n, k, e]
-    added at idx [b, h, n, k]."""
-    b, h, n, k = idx.shape
-    e = rows.shape[-1]
-    flat = idx.reshape(b, h, n * k, 1).expand(-1, -1, -1, e)
-    return torch.zeros_like(like).scatter_add_(2, flat, rows.reshape(b, h, n * k, e))
+def _gather(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Rows ``rows`` [b, h, n, k] (``_rows``) of x [b, h, m, e] -> [b, h, n, k, e]: whole
+    rows copied with ``index_select`` (an element-wise ``gather`` with an expanded index
+    was ~4x slower)."""
+    e = x.shape[-1]
+    return x.reshape(-1, e).index_select(0, rows.view(-1)).view(*rows.shape, e)
+
+
+def _scatter_add(like: torch.Tensor, rows: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
+    """Adjoint of ``_gather``: zeros like ``like`` [b, h, m, e] with vals [b, h, n, k, e]
+    added at ``rows`` (``index_add_`` of whole rows)."""
+    e = vals.shape[-1]
+    out = like.new_zeros(like.numel() // e, e)
+    out.index_add_(0, rows.view(-1), vals.reshape(-1, e))
+    return out.view(like.shape)
 
 
 class TopKeysAttention(torch.autograd.Function):
@@ -48,6 +56,7 @@ class TopKeysAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, idx, ok, mass, scale: float, keep):
+        idx = _rows(idx, k.shape[2])  # [b,h,n,k] rows of the flat [b*h*m, d] views
         s = torch.einsum("bhnd,bhnkd->bhnk", q, _gather(k, idx)) * scale  # [b,h,n,k]
         sm = masked_softmax(s, ok)  # [b,h,n,k]
         a = sm * mass
