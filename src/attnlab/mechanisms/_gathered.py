@@ -33,9 +33,22 @@ def _keep_mask(like: torch.Tensor, p: float, seed: int, chunk: int) -> torch.Ten
     return torch.empty_like(like).bernoulli_(1.0 - p, generator=g).div_(1.0 - p)
 
 
+def _take(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """x[:, :, idx] for x [b,h,M,e] and idx [c,K]: [b,h,c,K,e]. A contiguous x (bp_tree's
+    node keys) is copied as whole rows of its flat [b*h*M, e] view with ``index_select``
+    (~5x faster than advanced indexing on dim 2 at 4096 keys); a strided one (a host's
+    heads, [b, n, h, d] transposed) keeps advanced indexing, which is as fast there."""
+    b, h, m, e = x.shape
+    if not x.is_contiguous():  # not copied: the caller's tensors are saved as they are
+        return x[:, :, idx]
+    base = torch.arange(0, b * h * m, m, device=idx.device).view(b * h, 1)
+    rows = (idx.reshape(1, -1) + base).view(-1)  # [b*h*c*K]
+    return x.view(b * h * m, e).index_select(0, rows).view(b, h, *idx.shape, e)
+
+
 def _probs(q, keys, idx, allowed, scale: float, lse=None):
     """Scores of one chunk [b,h,c,K] -> (probs with dead rows zeroed, lse, gathered keys)."""
-    kx = keys[:, :, idx]  # [b,h,c,K,d]
+    kx = _take(keys, idx)  # [b,h,c,K,d]
     s = (q.unsqueeze(-2) @ kx.transpose(-1, -2)).squeeze(-2).mul_(scale)  # [b,h,c,K]
     s.masked_fill_(~allowed, _neg(s.dtype))
     if lse is None:
@@ -71,7 +84,7 @@ class _GatheredAttention(torch.autograd.Function):
                                                scale)
             if p > 0:
                 prob.mul_(_keep_mask(prob, p, seed, ci))
-            out[:, :, r0:r1] = (prob.unsqueeze(-2) @ vals[:, :, ix]).squeeze(-2)
+            out[:, :, r0:r1] = (prob.unsqueeze(-2) @ _take(vals, ix)).squeeze(-2)
         ctx.save_for_backward(q, keys, vals, idx, allowed, out, lse)
         ctx.cfg = (rows, scale, p, seed)
         return out
@@ -91,7 +104,7 @@ class _GatheredAttention(torch.autograd.Function):
             r1 = min(n, r0 + rows)
             ix, qc, g = idx[r0:r1], q[:, :, r0:r1], grad[:, :, r0:r1]  # g [b,h,c,dv]
             prob, _, kx = _probs(qc, keys, ix, allowed[:, :, r0:r1], scale, lse[:, :, r0:r1])
-            vx = vals[:, :, ix]  # [b,h,c,K,dv]
+            vx = _take(vals, ix)  # [b,h,c,K,dv]
             dprob = (g.unsqueeze(-2) @ vx.transpose(-1, -2)).squeeze(-2)  # [b,h,c,K]
             used = prob
             if p > 0:
