@@ -175,21 +175,28 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return out
 
 
+def read_yaml_mapping(path: Path, sections: str) -> dict[str, Any]:
+    """The mapping at the top of the YAML file ``path`` (an empty file: {}); a missing
+    file, invalid YAML or anything but a mapping is a one-line ConfigError, which names
+    the expected ``sections`` (e.g. "task:, model:, ...")."""
+    if not path.is_file():
+        raise ConfigError(f"config file {path} not found")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections ({sections})")
+    return data
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
                 base: dict[str, Any] | None = None) -> ExperimentConfig:
     """Read a YAML file (or start from ``base``), apply overrides, validate."""
     data: dict[str, Any] = dict(base or {})
     if path is not None:
         p = Path(path)
-        if not p.exists():
-            raise ConfigError(f"config file {p} not found")
-        try:
-            data = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{p}: not valid YAML: {e}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{p}: expected a mapping of sections (task:, model:, ...)")
-        data = _paths_from(p.parent, data)
+        data = _paths_from(p.parent, read_yaml_mapping(p, "task:, model:, ..."))
     data = apply_overrides(data, overrides or [])
     cfg = from_dict(ExperimentConfig, data)
     validate(cfg)

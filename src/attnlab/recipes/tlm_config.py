@@ -21,6 +21,7 @@ from ..config import (
     apply_overrides,
     config_changes,
     from_dict,
+    read_yaml_mapping,
     to_dict,
 )
 
@@ -120,15 +121,7 @@ def load_tlm_config(path: str | Path | None, overrides: list[str] | None = None)
     data: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {p} not found")
-        try:
-            data = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{p}: not valid YAML: {e}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{p}: expected a mapping of sections (task:, stage1:, ...)")
-        data = _absolute_paths(data, p.parent)
+        data = _absolute_paths(read_yaml_mapping(p, "task:, stage1:, ..."), p.parent)
     data = _absolute_paths(apply_overrides(data, overrides or []), Path.cwd())
     cfg = from_dict(TlmConfig, data)
     if cfg.name is None:
