@@ -121,3 +121,11 @@ def test_no_command_module_reaches_back_into_the_root_cli():
                 names = {a.name for a in node.names}
                 assert not (node.level == 1 and (node.module == "cli" or (
                     node.module is None and "cli" in names))), f"{path.name} imports attnlab.cli"
+
+
+def test_a_folder_given_as_the_config_is_one_line(tmp_path):
+    for command in ("validate", "run"):
+        line = _error_line(runner.invoke(app, [command, str(tmp_path)]))
+        assert f"config file {tmp_path} not found" in line
+    line = _error_line(runner.invoke(app, ["tlm", "retrieve", str(tmp_path)]))
+    assert f"config file {tmp_path} not found" in line
