@@ -160,14 +160,15 @@ def lsh_attention(
         kpos = torch.cat([qpos.roll(1, dims=3), qpos], dim=4)  # [b,h,r,nc,2C]
         kvalid = torch.cat([prev_valid, kvalid], dim=4)  # [b,h,r,nc,2C]
 
-    scores = torch.matmul(qs, ks.transpose(-1, -2)) * scale  # [b,h,r,nc,C,W]
+    # the scores are masked in place (the product's backward needs qs and ks, not them)
+    s = torch.matmul(qs, ks.transpose(-1, -2)).mul_(scale)  # [b,h,r,nc,C,W]
     is_self = qpos[..., :, None] == kpos[..., None, :]  # [b,h,r,nc,C,W]
-    scores = scores.masked_fill(is_self, SELF_SCORE)
-    allowed = kvalid[..., None, :].expand(scores.shape)  # [b,h,r,nc,C,W]
+    s.masked_fill_(is_self, SELF_SCORE)
+    allowed = kvalid[..., None, :].expand(s.shape)  # [b,h,r,nc,C,W]
     row_any = allowed.any(dim=-1)  # [b,h,r,nc,C]
-    s = scores.masked_fill(~allowed, float("-inf")).masked_fill(~row_any[..., None], 0.0)
-    z = torch.logsumexp(s, dim=-1)  # log-normaliser per round [b,h,r,nc,C]
-    probs = torch.exp(s - z[..., None]) * row_any[..., None]  # [b,h,r,nc,C,W]
+    s.masked_fill_(~allowed, float("-inf")).masked_fill_(~row_any[..., None], 0.0)
+    # probs [b,h,r,nc,C,W] (0 in rows with no valid key), z the log-normaliser per round
+    probs, z = _SoftmaxLse.apply(s, row_any)
     p = F.dropout(probs, dropout, training=True) if (training and dropout > 0) else probs
     out_r = torch.matmul(p, vs).view(b, h, r, length, dv)[:, :, :, :n]  # sorted [b,h,r,n,dv]
     out_r = torch.gather(out_r, 3, undo[..., None].expand(-1, -1, -1, -1, dv))  # [b,h,r,n,dv]
@@ -184,6 +185,34 @@ def lsh_attention(
         pr = torch.gather(pr, 3, undo[..., None].expand(-1, -1, -1, -1, n))  # [b,h,r,n,n]
         dense = torch.einsum("bhnr,bhrnm->bhnm", w, pr)  # [b,h,n,m]
     return out, dense
+
+
+class _SoftmaxLse(torch.autograd.Function):
+    """(probs, z) = (exp(s - z) * live, logsumexp(s)) over the last axis, keeping only
+    probs for the backward (autograd through logsumexp and exp kept s and exp's output as
+    well: three [.., C, W] buffers per round instead of one). s [..., W] (masked keys
+    -inf; a row with none allowed filled with 0), live [...] bool (that row has a key).
+
+    Backward: ds = probs * (dprobs - rowsum(dprobs * probs)) + probs * dz; a row that is
+    not live gets 0 (its scores are the constant fill, whose gradient is dropped anyway).
+    """
+
+    @staticmethod
+    def forward(ctx, s: torch.Tensor, live: torch.Tensor):
+        z = torch.logsumexp(s, dim=-1)  # [...]
+        probs = (s - z[..., None]).exp_().mul_(live[..., None])  # [..., W]
+        ctx.save_for_backward(probs)
+        return probs, z
+
+    @staticmethod
+    def backward(ctx, dprobs, dz):
+        (probs,) = ctx.saved_tensors
+        ds = torch.zeros_like(probs)
+        if dprobs is not None:
+            ds = probs * (dprobs - (dprobs * probs).sum(-1, keepdim=True))
+        if dz is not None:
+            ds = ds.addcmul_(probs, dz[..., None])
+        return ds, None
 
 
 @register_mechanism(LSHConfig)
