@@ -107,3 +107,34 @@ def test_predictor_gets_gradients_through_the_straight_through_gate():
 def test_bad_specs_are_clear_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SACConfig(**kwargs)
+
+
+@pytest.mark.parametrize("top_k, n, m, causal", [
+    (3, 11, 11, False), (3, 11, 11, True), (4, 6, 13, False), (20, 9, 9, False),
+    (2, 9, 9, True),
+])
+def test_sparse_path_equals_the_dense_one(top_k, n, m, causal, monkeypatch):
+    """Without need_weights the predictor scores the edges in chunks without gradient and
+    is recomputed on the chosen edges alone (``SAC.sparse_forward``): outputs and the
+    gradients of q, k, v and every predictor weight equal the dense path's (the one the
+    naive loop checks) to 1e-5, with padding (a row with fewer allowed keys than k, one with
+    none), causal, n < m, k > m, and chunks of one query row."""
+    from attnlab.mechanisms import content_learned
+
+    monkeypatch.setattr(content_learned, "SCORE_CHUNK_ELEMS", 1)  # one query per chunk
+    mech = build(f"sac(k={top_k}, hidden=5)")
+    mask = torch.ones(3, m, dtype=torch.bool)
+    mask[1, 2:] = False  # two keys: fewer than k
+    mask[2] = False  # no key: zeros
+    got = []
+    for weights in (False, True):
+        mech.zero_grad()
+        q, k, v = (t.requires_grad_() for t in qkv(n=n, m=m, seed=7))
+        out = mech(q, k, v, attnlab.AttnContext(key_mask=mask, causal=causal,
+                                                need_weights=weights)).out
+        (out * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum().backward()
+        got.append([out.detach(), q.grad, k.grad, v.grad,
+                    *(p.grad.clone() for p in mech.parameters())])
+    for a, b in zip(*got, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert got[0][0][2].abs().max() == 0

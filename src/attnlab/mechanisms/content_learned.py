@@ -25,6 +25,10 @@ from ..core import (
     register_mechanism,
 )
 
+# Hidden-layer entries [b, h, rows, m, H] the edge scoring holds at once without gradient
+# (1 Mi fp32 = 4 MB).
+SCORE_CHUNK_ELEMS = 1 << 20
+
 
 @dataclass(frozen=True, kw_only=True)
 class SACConfig(MechanismConfig):
@@ -98,8 +102,10 @@ class SAC(nn.Module):
     / sqrt(d)) v_j. Gradient to the predictor: straight-through, o_i = sum_j p_ij (M_ij +
     s_ij - sg(s_ij)) v_j with s = sigmoid(e) (forward value exactly the hard top-k; this
     straight-through estimator stands in for the paper's own training of the predictor).
-    Complexity (scoring every candidate edge): O(n*m*(d + hidden)) time, O(n*m*hidden) memory
-    (every candidate edge is scored; the attention itself is over k edges per query).
+    Complexity (scoring every candidate edge): O(n*m*(d + hidden)) time; memory O(n*k*(d +
+    hidden)) without ``need_weights`` (``sparse_forward``: the edges scored in chunks of
+    queries without gradient, the predictor recomputed with gradient on the k chosen edges,
+    the only ones the gate passes a gradient to), O(n*m*hidden) with it.
     Padding: padded keys are never chosen nor attended; a row with no valid key gives zeros.
     Causal: candidates restricted to j <= i before the top-k (scores of (i, j) depend on q_i
     and k_j only, so nothing leaks). Deviations: MLP predictor only (no LSTM); 16-bit inputs
@@ -123,16 +129,77 @@ class SAC(nn.Module):
     def edge_scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """e [b,h,n,m] = w2 . relu(W1 [q_i; k_j] + b1) + b2, computed in q's dtype."""
         dt = q.dtype
-        hq = F.linear(q, self.w_q.weight.to(dt), self.w_q.bias.to(dt))  # [b,h,n,H]
-        hk = F.linear(k, self.w_k.weight.to(dt))  # [b,h,m,H]
+        hq, hk = self.hidden_parts(q, k)  # [b,h,n,H], [b,h,m,H]
         hid = torch.relu(hq[..., :, None, :] + hk[..., None, :, :])  # [b,h,n,m,H]
         return F.linear(hid, self.w_out.weight.to(dt), self.w_out.bias.to(dt))[..., 0]
+
+    def hidden_parts(self, q: torch.Tensor, k: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W1_q q + b1 [b,h,n,H], W1_k k [b,h,m,H]): e_ij = w2 . relu(sum of rows i, j) + b2."""
+        dt = q.dtype
+        return (F.linear(q, self.w_q.weight.to(dt), self.w_q.bias.to(dt)),
+                F.linear(k, self.w_k.weight.to(dt)))
+
+    def select_edges(self, q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor
+                     ) -> torch.Tensor:
+        """The top-k allowed edges of each query by the predictor's score, [b,h,n,kk]
+        (kk = min(k, m)), scored in chunks of queries without gradient: the [c, m, H]
+        hidden layer of one chunk at a time instead of [n, m, H]. allowed [b,1|h,n,m]."""
+        b, h, n, _ = q.shape
+        m, H = k.shape[2], self.cfg.hidden
+        kk = min(self.cfg.k, m)
+        rows = max(1, SCORE_CHUNK_ELEMS // max(1, b * h * m * H))
+        idx = torch.empty(b, h, n, kk, dtype=torch.long, device=q.device)
+        with torch.no_grad():
+            hq, hk = self.hidden_parts(q, k)
+            w2, b2 = self.w_out.weight.to(q.dtype), self.w_out.bias.to(q.dtype)
+            for r0 in range(0, n, rows):
+                r1 = min(n, r0 + rows)
+                hid = torch.relu(hq[:, :, r0:r1, None, :] + hk[:, :, None, :, :])  # [b,h,c,m,H]
+                e = F.linear(hid, w2, b2)[..., 0]  # [b,h,c,m]
+                e.masked_fill_(~allowed[:, :, r0:r1], float("-inf"))
+                idx[:, :, r0:r1] = e.topk(kk, dim=-1).indices
+        return idx
+
+    def sparse_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       ctx: AttnContext) -> torch.Tensor:
+        """``sac_attention``'s output over the k chosen edges alone, [b,h,n,dv]: the
+        predictor scored in chunks without gradient (``select_edges``), then recomputed
+        with gradient on the chosen edges only, the only ones the straight-through gate
+        passes a gradient to. Memory O(n*k*(d + H)) instead of O(n*m*H)."""
+        b, h, n, d = q.shape
+        m = k.shape[2]
+        allowed = torch.ones(b, 1, n, m, dtype=torch.bool, device=q.device)  # [b,1,n,m]
+        if ctx.causal:
+            allowed = allowed & causal_mask(n, m, q.device)
+        if ctx.key_mask is not None:
+            allowed = allowed & ctx.key_mask[:, None, None, :].to(torch.bool)
+        idx = self.select_edges(q, k, allowed)  # [b,h,n,kk]
+        kk = idx.shape[-1]
+        ok = allowed.expand(b, h, n, m).gather(3, idx)  # chosen and allowed [b,h,n,kk]
+
+        def rows(x: torch.Tensor) -> torch.Tensor:  # x [b,h,m,e] -> chosen rows [b,h,n,kk,e]
+            flat = idx.reshape(b, h, n * kk, 1).expand(-1, -1, -1, x.shape[-1])
+            return x.gather(2, flat).view(b, h, n, kk, x.shape[-1])
+
+        scores = torch.einsum("bhnd,bhnkd->bhnk", q, rows(k)) * ctx.scale_for(d)
+        probs = masked_softmax(scores, ok)  # [b,h,n,kk]
+        hq, hk = self.hidden_parts(q, k)
+        hid = torch.relu(hq[..., None, :] + rows(hk))  # [b,h,n,kk,H]
+        e = F.linear(hid, self.w_out.weight.to(q.dtype), self.w_out.bias.to(q.dtype))[..., 0]
+        s = torch.sigmoid(e)  # [b,h,n,kk]
+        gate = ok.to(s.dtype) + s - s.detach()  # value M, gradient d s
+        p = (F.dropout(probs, ctx.dropout, training=True) if self.training and ctx.dropout > 0
+             else probs)
+        return torch.einsum("bhnk,bhnke->bhne", p * gate, rows(v))
 
     def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
         check_qkv(q, k, v, self.dims)
         dtype = q.dtype
         work = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
         qw, kw, vw = q.to(work), k.to(work), v.to(work)
+        if not ctx.need_weights:
+            return AttnOutput(self.sparse_forward(qw, kw, vw, ctx).to(dtype))
         out, probs = sac_attention(
             qw, kw, vw, self.edge_scores(qw, kw), top_k=self.cfg.k, key_mask=ctx.key_mask,
             causal=ctx.causal, scale=ctx.scale_for(q.shape[3]), dropout=ctx.dropout,
