@@ -140,19 +140,20 @@ class SAC(nn.Module):
         return (F.linear(q, self.w_q.weight.to(dt), self.w_q.bias.to(dt)),
                 F.linear(k, self.w_k.weight.to(dt)))
 
-    def select_edges(self, q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor
+    def select_edges(self, hq: torch.Tensor, hk: torch.Tensor, allowed: torch.Tensor
                      ) -> torch.Tensor:
         """The top-k allowed edges of each query by the predictor's score, [b,h,n,kk]
-        (kk = min(k, m)), scored in chunks of queries without gradient: the [c, m, H]
-        hidden layer of one chunk at a time instead of [n, m, H]. allowed [b,1|h,n,m]."""
-        b, h, n, _ = q.shape
-        m, H = k.shape[2], self.cfg.hidden
+        (kk = min(k, m)), from ``hidden_parts``' hq [b,h,n,H] and hk [b,h,m,H], scored in
+        chunks of queries without gradient: the [c, m, H] hidden layer of one chunk at a
+        time instead of [n, m, H]. allowed [b,1|h,n,m]."""
+        b, h, n, H = hq.shape
+        m = hk.shape[2]
         kk = min(self.cfg.k, m)
         rows = max(1, SCORE_CHUNK_ELEMS // max(1, b * h * m * H))
-        idx = torch.empty(b, h, n, kk, dtype=torch.long, device=q.device)
+        idx = torch.empty(b, h, n, kk, dtype=torch.long, device=hq.device)
         with torch.no_grad():
-            hq, hk = self.hidden_parts(q, k)
-            w2, b2 = self.w_out.weight.to(q.dtype), self.w_out.bias.to(q.dtype)
+            hq, hk = hq.detach(), hk.detach()
+            w2, b2 = self.w_out.weight.to(hq.dtype), self.w_out.bias.to(hq.dtype)
             for r0 in range(0, n, rows):
                 r1 = min(n, r0 + rows)
                 hid = torch.relu(hq[:, :, r0:r1, None, :] + hk[:, :, None, :, :])  # [b,h,c,m,H]
@@ -174,7 +175,8 @@ class SAC(nn.Module):
             allowed = allowed & causal_mask(n, m, q.device)
         if ctx.key_mask is not None:
             allowed = allowed & ctx.key_mask[:, None, None, :].to(torch.bool)
-        idx = self.select_edges(q, k, allowed)  # [b,h,n,kk]
+        hq, hk = self.hidden_parts(q, k)  # [b,h,n,H], [b,h,m,H]
+        idx = self.select_edges(hq, hk, allowed)  # [b,h,n,kk]
         kk = idx.shape[-1]
         ok = allowed.expand(b, h, n, m).gather(3, idx)  # chosen and allowed [b,h,n,kk]
 
@@ -184,7 +186,6 @@ class SAC(nn.Module):
 
         scores = torch.einsum("bhnd,bhnkd->bhnk", q, rows(k)) * ctx.scale_for(d)
         probs = masked_softmax(scores, ok)  # [b,h,n,kk]
-        hq, hk = self.hidden_parts(q, k)
         hid = torch.relu(hq[..., None, :] + rows(hk))  # [b,h,n,kk,H]
         e = F.linear(hid, self.w_out.weight.to(q.dtype), self.w_out.bias.to(q.dtype))[..., 0]
         s = torch.sigmoid(e)  # [b,h,n,kk]

@@ -295,6 +295,7 @@ class HardcodedGaussian(nn.Module):
         super().__init__()
         self.cfg, self.dims = cfg, dims
         offs = [cfg.offsets[t % len(cfg.offsets)] for t in range(dims.num_heads)]
+        self.offsets = tuple(offs)  # o_t per head as ints (the convolution path's kernel)
         self.register_buffer("offset_per_head", torch.tensor(offs, dtype=torch.float32),
                              persistent=False)  # o_t [h]
 
@@ -304,8 +305,7 @@ class HardcodedGaussian(nn.Module):
         costs about as much)."""
         if dtype not in FAST_DTYPES or n > m:
             return False
-        offs = [int(o) for o in self.offset_per_head.tolist()]
-        lo, hi = window_lags(offs, self.cfg.sigma, dtype, causal)
+        lo, hi = window_lags(list(self.offsets), self.cfg.sigma, dtype, causal)
         return 2 * (hi - lo + 1) <= m
 
     def logits(self, n: int, m: int, device: torch.device,
@@ -322,9 +322,8 @@ class HardcodedGaussian(nn.Module):
         n, m = q.shape[-2], k.shape[-2]
         plain = not ctx.need_weights and not (self.training and ctx.dropout > 0)
         if plain and self.windowed(n, m, v.dtype, ctx.causal):
-            offs = [int(o) for o in self.offset_per_head.tolist()]
-            return AttnOutput(gaussian_window(v, n, offs, self.cfg.sigma, ctx.key_mask,
-                                              ctx.causal))
+            return AttnOutput(gaussian_window(v, n, list(self.offsets), self.cfg.sigma,
+                                              ctx.key_mask, ctx.causal))
         logits = self.logits(n, m, v.device, v.dtype).to(v.dtype)[None]  # [1,h,n,m]
         if not plain:
             return _attend(logits, v, ctx, self.training)
