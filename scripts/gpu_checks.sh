@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The checks and benchmarks that need a CUDA GPU, in one run of at most DEADLINE seconds
 # (default 540): the CUDA tests, then the GPU sections of docs/benchmarks.md, then one
-# short `bench lra --device cuda`. Each step gets what is left of the deadline, so a slow
-# step cannot starve the ones before it; a step cut off leaves its partial output.
+# short `bench lra --device cuda` (steps: tests sparse lra jat lra4k). Each step gets what
+# is left of the deadline, so a slow step cannot starve the ones before it; a step cut
+# off leaves its partial output.
 #
 #   bash scripts/gpu_checks.sh OUT_DIR      # from the repository root, on the GPU machine
 #   STEPS="tests lra" bash scripts/gpu_checks.sh OUT_DIR   # some steps only
@@ -22,7 +23,7 @@ py=$(command -v python3 || command -v python)
 
 step() {  # step NAME MAX_SECONDS CMD...
   local name=$1 max=$2; shift 2
-  [[ " ${STEPS:-tests sparse lra jat} " == *" $name "* ]] || return 0
+  [[ " ${STEPS:-tests sparse lra jat lra4k} " == *" $name "* ]] || return 0
   local t; t=$(left "$max")
   echo "== $name (timeout ${t}s): $*" | tee -a "$out/steps.log"
   local s0; s0=$(date +%s)
@@ -32,11 +33,13 @@ step() {  # step NAME MAX_SECONDS CMD...
   tar czf "$out/results.tgz" docs/bench/*cuda* runs/lra-cuda 2>/dev/null  # after each step
 }
 
-step tests 90 "$py" -m pytest -q -p no:cacheprovider tests/mechanisms/test_cuda.py \
+xdist=$("$py" -c "import xdist" 2>/dev/null && echo "-n 8")
+step tests 180 "$py" -m pytest -q -p no:cacheprovider $xdist tests/mechanisms/test_cuda.py \
   tests/mechanisms/test_sparse_flex.py -k cuda
 step sparse 160 "$py" -m attnlab bench record --only sparse-cuda --rerun
 step lra 150 "$py" -m attnlab bench lra --device cuda \
   --mechanisms "softmax,band,linear_elu,mega(chunk=128)" --task listops --length 512 \
   --steps 20 --batch-size 8 --eval-size 64 --out runs/lra-cuda
 step jat 100 "$py" -m attnlab bench record --only jat-cuda --rerun
+step lra4k 330 "$py" -m attnlab bench record --only lra-4k-cost-cuda --rerun
 ls -la "$out"
