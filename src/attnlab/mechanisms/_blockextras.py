@@ -9,6 +9,15 @@ from typing import Any
 import torch
 
 
+def joint_lse(lse_w: torch.Tensor, sx: torch.Tensor) -> torch.Tensor:
+    """Log-sum-exp of a row's window and its extra keys together: lse_w [..., 1], the
+    extras' scores sx [..., R] -> [..., 1] (fresh). One fused logaddexp (with R = 1, as
+    for one global token) instead of a logsumexp over their concatenation; -inf where
+    both are empty."""
+    sx_lse = sx if sx.shape[-1] == 1 else torch.logsumexp(sx, -1, keepdim=True)
+    return torch.logaddexp(lse_w, sx_lse)
+
+
 class ExtraKeys:
     """The extra keys of every query block: positions [nqb, R] (clamped), and whether all
     blocks share them (``shared``: Longformer's global keys), which turns their products
@@ -58,6 +67,11 @@ class ExtraKeys:
         """bias + scale * Q K^T of chunk c against the extra keys: [Tc, B, R] (fresh);
         bias_x [b|1, nqb, B, R], q [Tc, B, d], xk from ``keys``."""
         gi, s0, s1, u0, u1 = c
+        if self.shared:  # one GEMM per sequence, the bias broadcast over the sequences
+            hc, B = s1 - s0, q.shape[1]
+            sx = torch.baddbmm(bias_x[gi, u0:u1].reshape(1, -1, self.R),
+                               q.reshape(hc, -1, q.shape[-1]), xk.transpose(1, 2), alpha=scale)
+            return sx.view(-1, B, self.R)  # fresh [Tc,B,R]
         sx = bias_x[gi, u0:u1].repeat(s1 - s0, 1, 1)  # a fresh copy [Tc,B,R]
         self.mm(sx, q, xk, transpose=True, alpha=scale, beta=1.0)
         return sx

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from . import _blocklayout
-from ._blockextras import ExtraKeys
+from ._blockextras import ExtraKeys, joint_lse
 from ._blocklayout import _chunks, _KeyRows, _Layout, _QueryRows, _span
 
 _FWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -85,7 +85,7 @@ def forward(lay: _Layout, qr: _QueryRows, kr: _KeyRows, vr: _KeyRows, bias: torc
         assert bias_x is not None
         xk, xv = ex.keys(kr, c), ex.keys(vr, c)
         sx = ex.scores(bias_x, qr.blocks(t0, t1), xk, c, scale)  # [Tc,B,R]
-        lse = torch.logsumexp(torch.cat([lse_w, sx], -1), -1, keepdim=True)  # joint
+        lse = joint_lse(lse_w, sx)
         # o = w * O_window + P_extra V_extra, w = exp(lse_window - lse)
         torch.mul(o4, (lse_w - lse).exp_().view(*o4.shape[:-1], 1), out=o_seq)
         ex.mm(o, sx.sub_(lse).exp_(), xv, transpose=False, alpha=1.0, beta=1.0)

@@ -52,7 +52,7 @@ import torch
 
 from . import _blockflash
 from ._blockbias import Pattern, _neg, build_block_bias, row_bias
-from ._blockextras import ExtraKeys
+from ._blockextras import ExtraKeys, joint_lse
 from ._blocklayout import (
     CHUNK_ENV_ERROR,
     _chunks,
@@ -268,7 +268,7 @@ def _explicit_forward(lay: _Layout, qr: _QueryRows, kr: _KeyRows, vr: _KeyRows,
             assert sx is not None and xv is not None and stats is not None
             st = stats[t0:t1]
             lse_w = _window_lse(s, prob, own)  # [Tc,B,1]
-            lse = torch.logsumexp(torch.cat([lse_w, sx], -1), -1, keepdim=True)  # joint
+            lse = joint_lse(lse_w, sx)
             st[..., :1] = lse_w.sub_(lse).exp_()  # w: the window's share
             st[..., 1:] = lse
             px = sx.sub_(lse).exp_()  # the extras' joint probabilities [Tc,B,R]
