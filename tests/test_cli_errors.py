@@ -129,3 +129,36 @@ def test_a_folder_given_as_the_config_is_one_line(tmp_path):
         assert f"config file {tmp_path} not found" in line
     line = _error_line(runner.invoke(app, ["tlm", "retrieve", str(tmp_path)]))
     assert f"config file {tmp_path} not found" in line
+
+
+@pytest.mark.parametrize("argv", [
+    ["bench", "speed", "--mechanisms", "band", "--n", "abc"],
+    ["bench", "speed", "--mechanisms", "band", "--n", "4096,"],
+    ["bench", "speed", "--mechanisms", "band", "--n", "0"],
+    ["bench", "sparse", "--ns", "1024,4k"],
+    ["bench", "jat", "--lengths", "128;256"],
+])
+def test_length_lists_are_checked_before_any_work(tmp_path, argv):
+    """A comma-separated list of lengths that is not whole numbers >= 1 is one line naming
+    the option and its form (it was a ValueError traceback from int())."""
+    res = runner.invoke(app, [*argv, *(["--out", str(tmp_path / "o")] if "speed" in argv
+                                       else [])])
+    line = _error_line(res)
+    assert argv[-2] in line and "separated by commas" in line
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("argv,option", [
+    (["demo", "--repeats", "0"], "--repeats"),
+    (["bench", "speed", "--mechanisms", "band", "--n", "512", "--repeats", "0"], "--repeats"),
+    (["bench", "speed", "--mechanisms", "band", "--n", "512", "--threads", "0"], "--threads"),
+    (["bench", "sparse", "--ns", "512", "--repeats", "0"], "--repeats"),
+    (["bench", "jat", "--lengths", "128", "--batch", "0"], "--batch"),
+])
+def test_counts_below_one_are_refused_before_any_work(tmp_path, argv, option):
+    """``--repeats 0`` was "no median for empty data" (demo) or an IndexError in every cell
+    of the table (bench speed)."""
+    res = runner.invoke(app, [*argv, *(["--out", str(tmp_path / "o")] if "speed" in argv
+                                       else [])])
+    assert _error_line(res) == f"error: {option} 0: give 1 or more"
+    assert not (tmp_path / "o").exists()

@@ -19,7 +19,7 @@ from rich.table import Table
 from .cli_analyze import analyze_app, report
 from .cli_bench import bench_lra, bench_record
 from .cli_data import app as data_app
-from .cli_errors import fail, set_debug, user_errors
+from .cli_errors import at_least, fail, positive_ints, set_debug, user_errors
 from .cli_tlm import tlm_app
 
 app = typer.Typer(
@@ -123,6 +123,7 @@ def demo(
     """Apply a plan to the embedded MiniLM and compare it with the untouched model."""
     from .recipes.demo import DEFAULT_PLAN, run_demo
 
+    at_least("--repeats", repeats)
     with user_errors(ValueError):
         rows, report = run_demo(plan or DEFAULT_PLAN, repeats=repeats, analysis=analysis,
                                 echo=lambda text: console.print(text, markup=False))
@@ -373,7 +374,8 @@ def bench_sparse(
     from .bench.speed import format_markdown
 
     _check_device(device)
-    rows = run_bench(ns=tuple(int(x) for x in ns.split(",")), window=window,
+    at_least("--repeats", repeats)
+    rows = run_bench(ns=positive_ints(ns, "--ns"), window=window,
                      mechanism=mechanism or "band", repeats=repeats, threads=threads,
                      device=device, dtype=dtype)
     console.print(format_markdown(rows), markup=False)
@@ -407,9 +409,12 @@ def bench_speed(
     _check_device(device)
     if dtype not in ("float32", "bfloat16"):
         fail(f"--dtype {dtype}: use float32 or bfloat16")
+    at_least("--repeats", repeats)
+    at_least("--threads", threads)
+    lengths = positive_ints(n, "--n")
     names = [m.strip() for m in split_top(mechanisms, ",") if m.strip()] if mechanisms else None
     with user_errors():
-        results = run_suite(out, names, tuple(int(x) for x in n.split(",")), repeats=repeats,
+        results = run_suite(out, names, lengths, repeats=repeats,
                             threads=threads, dense_max_n=dense_max_n, fit_from=fit_from,
                             device=device, dtype=dtype)
     from .bench.suite import format_table
@@ -435,7 +440,8 @@ def bench_jat(
     from .bench.jat import format_markdown
 
     _check_device(device)
-    rows = run_bench(lengths=tuple(int(x) for x in lengths.split(",")), batch=batch,
+    at_least("--batch", batch)
+    rows = run_bench(lengths=positive_ints(lengths, "--lengths"), batch=batch,
                      device=device, naive_limit_gb=naive_limit_gb, counter=counter)
     console.print(format_markdown(rows), markup=False)
     _plot_bench(rows, plot)

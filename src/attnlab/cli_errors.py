@@ -2,7 +2,8 @@
 
 The one home of the CLI's error handling, shared by every ``cli*`` module: the ``--debug``
 switch (``attnlab --debug CMD`` shows the traceback instead), ``fail`` (the one-line
-printer) and ``user_errors`` (turns the exceptions that mean bad input into ``fail``).
+printer), ``user_errors`` (turns the exceptions that mean bad input into ``fail``) and
+``positive_ints`` / ``at_least`` (lengths and counts, checked before any work).
 Anything else is a bug and keeps its traceback.
 
 The message is printed as text, not rich markup, so shapes such as ``[b, h, n]`` in a
@@ -33,6 +34,25 @@ def fail(message: object) -> NoReturn:
     lines = str(message).strip().splitlines() or ["(no message)"]
     _console.print(Text.assemble(("error:", "bold red"), " ", lines[0]), soft_wrap=True)
     raise typer.Exit(code=2)
+
+
+def positive_ints(value: str, option: str) -> tuple[int, ...]:
+    """A comma-separated option of whole numbers >= 1 (``--n 4096,8192``), or ``fail``
+    naming the option and the form it takes."""
+    try:
+        out = tuple(int(x) for x in value.split(","))
+    except ValueError:
+        out = ()
+    if not out or min(out) < 1:
+        fail(f"{option} {value!r}: expected whole numbers >= 1 separated by commas, e.g. "
+             f"{option} 1024,4096")
+    return out
+
+
+def at_least(option: str, value: int, low: int = 1) -> None:
+    """``fail`` unless a count option (``--repeats``, ``--batch``) is at least ``low``."""
+    if value < low:
+        fail(f"{option} {value}: give {low} or more")
 
 
 def user_error_types() -> tuple[type[BaseException], ...]:
