@@ -157,9 +157,10 @@ def _load(config: str | None, overrides: list[str] | None):
 
 @app.command()
 def validate(config: str, overrides: Overrides = None) -> None:
-    """Check a config without running it (keys, types, plan, tuner, that the model takes the
-    plan from its config alone, data, output folder: whatever `run` would refuse); print it
-    resolved."""
+    """Check a config without running it and print it resolved.
+
+    It checks whatever `run` would refuse: keys, types, plan, tuner, that the model takes
+    the plan from its config alone, data and output folder."""
     from .config import resolved_yaml, with_optim_defaults
     from .recipes.preflight import preflight
 

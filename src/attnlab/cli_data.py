@@ -128,8 +128,10 @@ def squad_windows(
     stride: Annotated[int | None, typer.Option(
         help="Window overlap in tokens (default: max_length // 3, the task's).")] = None,
 ) -> None:
-    """Count what SQuAD's sliding windows hold with the installed tokenizers: windows, cut
-    contexts and answers in no window (huggingface/tokenizers#2091 cuts contexts)."""
+    """Count what SQuAD's sliding windows hold with the installed tokenizers.
+
+    Windows, cut contexts and answers in no window (huggingface/tokenizers#2091 cuts
+    contexts)."""
     import tokenizers
     import transformers
 
