@@ -20,6 +20,7 @@ from typing import ClassVar, Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ..core import (
     AttnContext,
@@ -111,6 +112,10 @@ class Mega(nn.Module):
     and LayerNorm). It owns every head of a layer (surgery refuses a plan that gives it
     part of one), replaces the attention between the host's projections, and changes no
     projection shape.
+    Training memory: with gradients on, V, Q, K (eq. 7-10) and the gated output (eq.
+    12-15) run under non-reentrant activation checkpoints, so autograd keeps X, X' and O
+    instead of the gates' activations and recomputes those (a few elementwise passes and
+    three small GEMMs) in the backward; the attention's own weights are kept.
     Init as official, from the global torch RNG: W_v, the fused X' map, U_h and kappa
     ~ N(0, 0.02), biases and mu 0, b_rel ~ N(0, 0.02); the EMA's own (``DampedEMA``).
     Padding (``ctx.key_mask``): padded positions are zeroed before the EMA and excluded as
@@ -237,6 +242,26 @@ class Mega(nn.Module):
         out = torch.bmm(p.view(b * nc, c, c), chunks(v))  # [b*nc,c,hv]
         return out.view(b, nc * c, -1)[:, :n], weights  # [b,n,hv]
 
+    def _value_query_key(self, x: torch.Tensor, xe: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """V [b,n,hv], Q, K [b,n,z] from X and X' (eq. 7-10)."""
+        zd = self.cfg.zdim
+        value = F.silu(self.value(x))  # V (eq. 10)
+        z = F.silu(F.linear(xe, self.from_ema.weight[:zd], self.from_ema.bias[:zd]))  # Z (eq. 7)
+        kappa, mu = self.kappa.to(z.dtype), self.mu.to(z.dtype)
+        return value, z * kappa[0] + mu[0], z * kappa[1] + mu[1]  # V, Q, K (eq. 8-9)
+
+    def _gated_output(self, x: torch.Tensor, xe: torch.Tensor, o: torch.Tensor
+                      ) -> torch.Tensor:
+        """Y = phi * H + (1 - phi) * X [b,n,D] from X, X' and O (eq. 12-15)."""
+        zd = self.cfg.zdim
+        gate, upd, hx = F.linear(xe, self.from_ema.weight[zd:], self.from_ema.bias[zd:]).split(
+            [self.hv, self.channels, self.channels], dim=-1)
+        gate = F.silu(gate)  # gamma [b,n,hv] (eq. 12)
+        upd = torch.sigmoid(upd)  # phi [b,n,D] (eq. 13)
+        hid = F.silu(hx + self.out_gate(gate * o))  # H [b,n,D] (eq. 14)
+        return torch.addcmul(x, upd, hid - x)  # (eq. 15)
+
     def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
         check_qkv(q, k, v, self.dims)
         b, h, n, d = v.shape
@@ -255,17 +280,15 @@ class Mega(nn.Module):
         if keep is not None:
             x = x * keep[..., None].to(x.dtype)  # padded positions zeroed (official)
         xe = self.ema(x, keep, ctx.causal)  # X' [b,n,D] (eq. 6)
-        value = F.silu(self.value(x))  # V [b,n,hv] (eq. 10)
-        z, gate, upd, hx = self.from_ema(xe).split(
-            [self.cfg.zdim, self.hv, self.channels, self.channels], dim=-1)
-        z = F.silu(z)  # Z [b,n,z] (eq. 7)
-        gate = F.silu(gate)  # gamma [b,n,hv] (eq. 12)
-        upd = torch.sigmoid(upd)  # phi [b,n,D] (eq. 13)
-        kappa, mu = self.kappa.to(z.dtype), self.mu.to(z.dtype)
-        qz, kz = z * kappa[0] + mu[0], z * kappa[1] + mu[1]  # Q, K [b,n,z] (eq. 8-9)
+        if torch.is_grad_enabled():  # the gates' activations are recomputed in the backward
+            value, qz, kz = checkpoint(self._value_query_key, x, xe, use_reentrant=False)
+        else:
+            value, qz, kz = self._value_query_key(x, xe)
         o, weights = self.attend(qz, kz, value, keep, ctx)  # O [b,n,hv] (eq. 11)
-        hid = F.silu(hx + self.out_gate(gate * o))  # H [b,n,D] (eq. 14)
-        y = torch.addcmul(x, upd, hid - x)  # Y = phi * H + (1 - phi) * X [b,n,D] (eq. 15)
+        if torch.is_grad_enabled():
+            y = checkpoint(self._gated_output, x, xe, o, use_reentrant=False)
+        else:
+            y = self._gated_output(x, xe, o)  # Y [b,n,D]
         if keep is not None:
             y = y * keep[..., None].to(y.dtype)  # padded positions give 0
         out = y.view(b, n, h, d).transpose(1, 2)  # [b,h,n,d]
