@@ -108,9 +108,31 @@ def test_matches_naive_reference(clusters, window, n, m, padded):
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(probs, pref, atol=1e-5, rtol=1e-5)
     g = torch.randn_like(out)
-    for a, r in zip(torch.autograd.grad(out, (q, k, v), g),
-                    torch.autograd.grad(ref, (q, k, v), g), strict=True):
+    grads_ref = torch.autograd.grad(ref, (q, k, v), g, retain_graph=True)
+    for a, r in zip(torch.autograd.grad(out, (q, k, v), g), grads_ref, strict=True):
         torch.testing.assert_close(a, r, atol=1e-5, rtol=1e-5)
+    # without weights: each cluster's softmax on SDPA (no scores kept), same values
+    fast, none = routing_attention(q, k, v, mu, window=window, key_mask=mask)
+    assert none is None
+    torch.testing.assert_close(fast * real, ref, atol=1e-5, rtol=1e-5)
+    for a, r in zip(torch.autograd.grad(fast * real, (q, k, v), g), grads_ref, strict=True):
+        torch.testing.assert_close(a, r, atol=1e-5, rtol=1e-5)
+
+
+def test_a_sequence_of_padding_only_gives_zeros_and_finite_gradients():
+    """Its clusters have no valid key: 0 on both paths (SDPA would give NaN for an all -inf
+    row), no NaN in the gradients, and the other sequences as the naive reference."""
+    q, k, v = (t.requires_grad_() for t in qkv(n=10, m=12, seed=5))
+    mask = lengths_mask(12, [12, 0, 3])
+    mu = routing_centroids(RoutingConfig(num_clusters=3), 2, D)
+    ref, _ = naive_routing(q, k, v, mu, 4, mask)
+    for need_weights in (False, True):
+        out, _ = routing_attention(q, k, v, mu, window=4, key_mask=mask,
+                                   need_weights=need_weights)
+        assert (out[1] == 0).all()
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        grads = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+        assert all(torch.isfinite(gr).all() for gr in grads)
 
 
 def test_pattern_is_sparse_and_unrouted_queries_get_zeros():

@@ -94,6 +94,23 @@ def _gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return torch.gather(src, 3, idx[..., None].expand(-1, -1, -1, -1, e))
 
 
+def _cluster_sdpa(qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor,
+                  kvalid: torch.Tensor, scale: float) -> torch.Tensor:
+    """softmax over each cluster's valid keys, times their values, on
+    ``F.scaled_dot_product_attention``: qs [b,h,k,wq,d], ks [b,h,k,wk,d], vs [b,h,k,wk,dv],
+    kvalid [b,h,k,wk] -> [b,h,k,wq,dv]; a cluster with no valid key gives 0 (as
+    ``masked_softmax``: its mask row is made finite for the kernel, its output zeroed)."""
+    b, h, nk, wq, _ = qs.shape
+    live = kvalid.any(-1)  # [b,h,k]
+    mask = torch.zeros(kvalid.shape, dtype=qs.dtype, device=qs.device)
+    mask = mask.masked_fill(~kvalid & live[..., None], float("-inf"))  # [b,h,k,wk]
+    out = F.scaled_dot_product_attention(
+        qs.flatten(0, 1), ks.flatten(0, 1), vs.flatten(0, 1),
+        attn_mask=mask.flatten(0, 1)[:, :, None, :], scale=scale)  # [b*h,k,wq,dv]
+    out = out.view(b, h, nk, wq, -1)
+    return out if bool(live.all()) else out * live[..., None, None].to(out.dtype)
+
+
 def lsh_attention(
     qk: torch.Tensor,
     v: torch.Tensor,
@@ -381,21 +398,26 @@ def routing_attention(
     ks = _gather_rows(kn, kidx)  # [b,h,k,wk,d]
     vs = _gather_rows(v, kidx)  # [b,h,k,wk,dv]
     kvalid = torch.gather(valid[:, None, None, :].expand(b, h, nk, m), 3, kidx)  # [b,h,k,wk]
-    scores = torch.matmul(qs, ks.transpose(-1, -2)) * scale  # [b,h,k,wq,wk]
-    probs = masked_softmax(scores, kvalid[..., None, :].expand(scores.shape))  # [b,h,k,wq,wk]
-    p = F.dropout(probs, dropout, training=True) if (training and dropout > 0) else probs
-    out_c = torch.matmul(p, vs)  # [b,h,k,wq,dv]
+    probs = None
+    if need_weights or (training and dropout > 0):
+        scores = torch.matmul(qs, ks.transpose(-1, -2)) * scale  # [b,h,k,wq,wk]
+        probs = masked_softmax(scores, kvalid[..., None, :].expand(scores.shape))
+        p = F.dropout(probs, dropout, training=True) if (training and dropout > 0) else probs
+        out_c = torch.matmul(p, vs)  # [b,h,k,wq,dv]
+    else:  # the same softmax on torch's fused kernel: no [b,h,k,wq,wk] scores kept
+        out_c = _cluster_sdpa(qs, ks, vs, kvalid, scale)  # [b,h,k,wq,dv]
 
     flat_q = qidx.reshape(b, h, nk * wq)  # [b,h,k*wq]
-    count = q.new_zeros(b, h, n, dtype=probs.dtype).scatter_add(
-        2, flat_q, probs.new_ones(b, h, nk * wq))  # clusters keeping query i [b,h,n]
+    count = q.new_zeros(b, h, n, dtype=out_c.dtype).scatter_add(
+        2, flat_q, out_c.new_ones(b, h, nk * wq))  # clusters keeping query i [b,h,n]
     denom = count.clamp(min=1.0)[..., None]  # [b,h,n,1]
-    out = probs.new_zeros(b, h, n, dv).scatter_add(
+    out = out_c.new_zeros(b, h, n, dv).scatter_add(
         2, flat_q[..., None].expand(-1, -1, -1, dv), out_c.reshape(b, h, nk * wq, dv))
     out = out / denom  # [b,h,n,dv]; unrouted queries stay 0
 
     dense = None
     if need_weights:
+        assert probs is not None
         cells = qidx[..., :, None] * m + kidx[..., None, :]  # flat (i, j) [b,h,k,wq,wk]
         dense = probs.new_zeros(b, h, n * m).scatter_add(
             2, cells.reshape(b, h, -1), probs.reshape(b, h, -1)).view(b, h, n, m) / denom

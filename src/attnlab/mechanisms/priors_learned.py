@@ -234,9 +234,11 @@ class Average(nn.Module):
         [i_i; f_i] = sigmoid([v_i; g_i] W_g + b_g)                     (eq. 3, the gate)
         out_i = i_i * v_i + f_i * g_i
     Causal: the paper's cumulative average (decoder). Bidirectional: the mean of all
-    unpadded values (every row alike). Fast path: cumulative sums, O(n*d); the paper's
-    masked-matrix training form, W @ V with W[i, j] = 1/|K_i| on K_i (O(n*m*d)), runs when
-    the weights are needed or dropout is active. Complexity O(n*d).
+    unpadded values (every row alike, so the FFN runs on one row per sequence). Fast path:
+    cumulative sums, O(n*d); the paper's masked-matrix training form, W @ V with W[i, j] =
+    1/|K_i| on K_i (O(n*m*d)), runs when the weights are needed or dropout is active.
+    W_g is applied to v and to g apart (v W_g[:d] + g W_g[d:]), so no [n, 2d]
+    concatenation is built or kept. Complexity O(n*d).
     Parameters per head, ``nn.Linear``'s init (global torch RNG): W1 [h,d,f], b1, W2
     [h,f,d], b2 (when ``ffn``), W_g [h,2d,2d], b_g.
     Head space (deviation): the paper averages and gates the layer input y; here each head
@@ -313,14 +315,18 @@ class Average(nn.Module):
             avg = _dropout(weights, ctx, self.training) @ v.float()  # [b,h,n,dv]
         else:
             avg, live = self._average(v, ctx)  # [b,h,n|1,dv], [b,1,n|1,1]
-        g = avg.to(v.dtype).expand(b, h, n, d)  # [b,h,n,d]
+        # g and the FFN on one row per sequence when every row's average is the same
+        # (bidirectional fast path), broadcast over the rows only where they meet v
+        g = avg.to(v.dtype)  # [b,h,n|1,d]
         if self.ffn_w1 is not None:
             # all four FFN tensors exist iff cfg.ffn
             assert self.ffn_b1 is not None and self.ffn_w2 is not None
             assert self.ffn_b2 is not None
-            hid = torch.relu(g @ self.ffn_w1 + self.ffn_b1[:, None])  # [b,h,n,f]
-            g = hid @ self.ffn_w2 + self.ffn_b2[:, None]  # [b,h,n,d]
-        gates = torch.sigmoid(torch.cat([v, g], -1) @ self.gate_w + self.gate_b[:, None])
+            hid = torch.relu(g @ self.ffn_w1 + self.ffn_b1[:, None])  # [b,h,n|1,f]
+            g = hid @ self.ffn_w2 + self.ffn_b2[:, None]  # [b,h,n|1,d]
+        # [v; g] W_g = v W_g[:d] + g W_g[d:] (eq. 3): no [b,h,n,2d] concatenation
+        g_part = g @ self.gate_w[:, d:] + self.gate_b[:, None]  # [b,h,n|1,2d]
+        gates = torch.sigmoid(v @ self.gate_w[:, :d] + g_part)  # [b,h,n,2d]
         i_gate, f_gate = gates.chunk(2, dim=-1)  # [b,h,n,d] each
         out = (i_gate * v + f_gate * g) * live.expand(b, 1, n, 1).to(v.dtype)  # [b,h,n,d]
         probs = None
