@@ -372,14 +372,14 @@ def test_gate_activations_are_recomputed_in_the_backward(monkeypatch):
     real = mega_module.checkpoint
 
     def spy(fn, *args, **kwargs):
-        calls.append((fn.__name__, kwargs.get("use_reentrant")))
+        calls.append((fn.__name__, kwargs.get("use_reentrant"), kwargs.get("preserve_rng_state")))
         return real(fn, *args, **kwargs)
 
     monkeypatch.setattr(mega_module, "checkpoint", spy)
     mech = build(SPECS[1]).train()
     v = rand_qkv(11)[2].requires_grad_()
     mech(v, v, v, ctx()).out.sum().backward()
-    assert calls == [("_value_query_key", False), ("_gated_output", False)]
+    assert calls == [("_value_query_key", False, False), ("_gated_output", False, False)]
     calls.clear()
     with torch.no_grad():
         mech(v, v, v, ctx())

@@ -280,13 +280,17 @@ class Mega(nn.Module):
         if keep is not None:
             x = x * keep[..., None].to(x.dtype)  # padded positions zeroed (official)
         xe = self.ema(x, keep, ctx.causal)  # X' [b,n,D] (eq. 6)
-        if torch.is_grad_enabled():  # the gates' activations are recomputed in the backward
-            value, qz, kz = checkpoint(self._value_query_key, x, xe, use_reentrant=False)
+        # the gates' activations are recomputed in the backward; the regions draw no random
+        # numbers, so the RNG state need not be stashed for the recomputation
+        if torch.is_grad_enabled():
+            value, qz, kz = checkpoint(self._value_query_key, x, xe, use_reentrant=False,
+                                       preserve_rng_state=False)
         else:
             value, qz, kz = self._value_query_key(x, xe)
         o, weights = self.attend(qz, kz, value, keep, ctx)  # O [b,n,hv] (eq. 11)
         if torch.is_grad_enabled():
-            y = checkpoint(self._gated_output, x, xe, o, use_reentrant=False)
+            y = checkpoint(self._gated_output, x, xe, o, use_reentrant=False,
+                           preserve_rng_state=False)
         else:
             y = self._gated_output(x, xe, o)  # Y [b,n,D]
         if keep is not None:
