@@ -228,18 +228,21 @@ def test_clustered_matches_naive_reference(topk, lengths):
     assert grads[0].abs().sum() > 0  # gradient reaches the queries through the centroids
 
 
+@pytest.mark.parametrize("topk", [None, 3])
 @pytest.mark.parametrize("n,m,lengths", [(13, 13, None), (13, 13, [13, 8, 4]), (9, 11, [11, 6, 2])])
-def test_improved_clustered_without_weights_matches_naive_with_gradients(n, m, lengths):
-    """Without need_weights the top keys go through ``_topkeys.TopKeysAttention`` (its
-    own backward, gathering the keys again): output and gradients of q, k, v against the
-    loops (the same draws)."""
-    mech = build("improved_clustered(clusters=3, bits=8, iterations=4, topk=3)")
+def test_clustered_without_weights_matches_naive_with_gradients(n, m, lengths, topk):
+    """Without need_weights, clustered's A_c V runs on ``masked_sdpa`` and i-clustered's
+    top keys go through ``_topkeys.TopKeysAttention`` (its own backward, gathering the keys
+    again): output and gradients of q, k, v against the loops (the same draws)."""
+    name = "clustered" if topk is None else "improved_clustered"
+    extra = "" if topk is None else f", topk={topk}"
+    mech = build(f"{name}(clusters=3, bits=8, iterations=4{extra})")
     q, k, v = qkv(n=n, m=m, seed=12, requires_grad=True)
     mask = None if lengths is None else lengths_mask(m, lengths)
     res = run(mech, q, k, v, mask, layer=1, need_weights=False)
     assert res.probs is None
     assign = naive_assignment(q, mech.draws(n, layer_idx=1), query_valid(mask, 3, n, m), 3, 4)
-    ref, _ = naive_clustered(q, k, v, assign, 3, mask, 3)
+    ref, _ = naive_clustered(q, k, v, assign, 3, mask, topk)
     torch.testing.assert_close(res.out, ref, **TOL)
     assert_same_grads(res.out, ref, (q, k, v))
 

@@ -35,6 +35,7 @@ from ..core import (
 from ..core.masks import seeded_generator
 from ..core.slicing import over_head_groups
 from ._kmeans import ClusterDraws, cluster_queries, draw_clustering
+from ._maskedsdpa import masked_sdpa
 from ._topkeys import TopKeysAttention
 from .jat import probsparse_sizes
 
@@ -123,11 +124,17 @@ def clustered_attention(
     assign [b,h,n] long in [0, C] (C = no cluster: the query outputs zeros).
     Q_c = mean of members; A_c = softmax(Q_c K^T * scale) over the unpadded keys [b,h,C,m];
     V^_c = A_c V; query i gets V^_{c(i)}. weights [b,h,n,m] = A_{c(i)} (pre-dropout).
+    Without weights or dropout, A_c V runs on ``masked_sdpa`` (no [b,h,C,m] scores kept).
     """
     d = q.shape[-1]
     scale = d**-0.5 if scale is None else scale
-    kvalid, _ = _valid(key_mask, q.shape[0], q.shape[2], k.shape[2], q.device)
     qc = _centroid_queries(q, assign, clusters)  # [b,h,C,d]
+    if not need_weights and not (training and dropout > 0):
+        # A_c V on torch's fused kernel, the key mask as its mask: no [b,h,C,m] kept
+        none = q.new_zeros(1, 1, 1, k.shape[2])  # no bias beyond the key mask
+        return _broadcast(masked_sdpa(qc, k, v, none, key_mask, False, scale, 0.0),
+                          assign), None
+    kvalid, _ = _valid(key_mask, q.shape[0], q.shape[2], k.shape[2], q.device)
     scores = qc @ k.transpose(-1, -2) * scale  # [b,h,C,m]
     probs = masked_softmax(scores, kvalid[:, None, None, :].expand(scores.shape))  # A_c
     out = _broadcast(_drop(probs, dropout, training) @ v, assign)  # [b,h,n,dv]
