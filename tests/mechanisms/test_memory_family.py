@@ -359,6 +359,28 @@ def test_poolingformer_long_inputs_match_naive(n):
 
 
 @pytest.mark.parametrize("stacked", [True, False])
+@pytest.mark.parametrize("causal", [False, True])
+def test_poolingformer_gradients_match_naive(stacked, causal):
+    """Level 2 without weights runs on SDPA (``pooling._slot_sdpa``, blocks as the batch):
+    gradients of q, k, v against autograd through the loops, several query blocks, padded
+    (slots of padding only, causal rows that see no slot)."""
+    mech = build(f"poolingformer(window=3, window2=20, pool_size=4, stride=3, "
+                 f"stacked={stacked})", h=2)
+    n = 150
+    q, k, v = (t.requires_grad_() for t in rand(2, 2, n, seed=4))
+    key_mask = lengths_mask([n, n - 40], n)
+    out = mech(q, k, v, ctx(key_mask=key_mask, causal=causal)).out
+    ref = naive_poolingformer(q, k, v, mech, key_mask, causal)
+    torch.testing.assert_close(out, ref, **TOL)
+    g = torch.randn_like(out)
+    for a, r in zip(torch.autograd.grad(out, (q, k, v), g, allow_unused=True),
+                    torch.autograd.grad(ref, (q, k, v), g, allow_unused=True), strict=True):
+        assert (a is None) == (r is None)
+        if r is not None:
+            torch.testing.assert_close(a, r, **TOL)
+
+
+@pytest.mark.parametrize("stacked", [True, False])
 def test_poolingformer_weights_are_exact_for_mean_pooling(stacked):
     mech = build(f"poolingformer(window=1, window2=6, pool_size=2, stacked={stacked})")
     q, k, v = rand(2, 2, 15, seed=8)

@@ -98,6 +98,28 @@ def pool_slots(x: torch.Tensor, keep: torch.Tensor, kappa: int, xi: int, how: st
     return slots, count, start, end
 
 
+def _slot_sdpa(qb: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor, allowed: torch.Tensor,
+               scale: float) -> torch.Tensor:
+    """``slot_attention``'s softmax on ``F.scaled_dot_product_attention``: qb [b,h,nb,bq,d],
+    kg / vg [b,h,nb,W,d|dv], allowed [b,nb,bq,W] -> [b,h,nb*bq,dv]. Blocks become the batch
+    ([b*nb, h, ., .]) so that one mask [b*nb, 1, bq, W] serves every head; a row with no
+    visible slot gets a finite mask row and its output zeroed (0, as ``masked_softmax``)."""
+    b, h, nb, bq, d = qb.shape
+    W = kg.shape[3]
+    live = allowed.any(-1, keepdim=True)  # [b,nb,bq,1]
+    mask = torch.zeros(allowed.shape, dtype=qb.dtype, device=qb.device)
+    mask = mask.masked_fill(~allowed & live, float("-inf")).view(b * nb, 1, bq, W)
+
+    def blocks_first(x: torch.Tensor) -> torch.Tensor:  # [b,h,nb,L,e] -> [b*nb,h,L,e]
+        return x.transpose(1, 2).reshape(b * nb, h, x.shape[3], x.shape[4])
+
+    o = F.scaled_dot_product_attention(blocks_first(qb), blocks_first(kg), blocks_first(vg),
+                                       attn_mask=mask, scale=scale)  # [b*nb,h,bq,dv]
+    if not bool(live.all()):
+        o = o * live.view(b * nb, 1, bq, 1).to(o.dtype)
+    return o.view(b, nb, h, bq, -1).transpose(1, 2).reshape(b, h, nb * bq, -1)
+
+
 def slot_attention(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, ok: torch.Tensor,
                    start: torch.Tensor, end: torch.Tensor, *, window2: int, stride: int,
                    causal: bool, scale: float, p: float, dense_probs: bool = False
@@ -109,7 +131,8 @@ def slot_attention(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, ok: torc
     in blocks of Bq; block u gathers the W = (Bq - 1 + 2*w2) // xi + 1 consecutive slots
     from the first whose start is >= u*Bq - w2 (every visible slot of the block is among
     them). Memory O(n*W). Returns (out [b,h,n,dv], slot probabilities [b,h,n,S] when
-    ``dense_probs`` else None). Rows without a visible slot give 0.
+    ``dense_probs`` else None). Rows without a visible slot give 0. Without the
+    probabilities or dropout the softmax runs on SDPA (``_slot_sdpa``).
     """
     b, h, n, d = q.shape
     S = ks.shape[2]
@@ -130,6 +153,8 @@ def slot_attention(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, ok: torc
     allowed = allowed[None] & ok[:, idx][:, :, None, :]  # [b,nb,bq,W]
     qb = F.pad(q, (0, 0, 0, nb * bq - n)).view(b, h, nb, bq, d)
     kg, vg = ks[:, :, idx], vs[:, :, idx]  # [b,h,nb,W,d], [b,h,nb,W,dv]
+    if not dense_probs and p == 0:  # torch's fused kernel: no [b,h,nb,bq,W] scores kept
+        return _slot_sdpa(qb, kg, vg, allowed, scale)[:, :, :n], None
     scores = (qb @ kg.transpose(-1, -2)) * scale  # [b,h,nb,bq,W]
     probs = masked_softmax(scores, allowed[:, None].expand(scores.shape))
     pd = F.dropout(probs, p, training=True) if p > 0 else probs
