@@ -14,6 +14,7 @@ from typing import ClassVar
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ..core import (
     AttnContext,
@@ -204,6 +205,9 @@ class CapsuleRouting(nn.Module):
     input heads' softmax probabilities [b,h,n,m] (the maps being aggregated; routing is
     non-linear, so no effective [n, m] weights exist for an output capsule).
     Init: W_ij ~ N(0, 1/d), from the global RNG (each vote keeps its capsule's scale).
+    Training memory: with gradients on, the routing runs under a non-reentrant activation
+    checkpoint (the votes and each iteration's capsules, h times the output's size each,
+    are recomputed in the backward instead of kept).
     Deviations: h output capsules of size d (Li et al. also vary their number; here it is
     tied to the host's output projection); EM routing is not implemented (dynamic routing
     only); gradients flow through every routing iteration; the host's output projection
@@ -241,7 +245,12 @@ class CapsuleRouting(nn.Module):
                f"capsule_routing was built for value head dim {self.dims.head_dim} but v has "
                f"{v.shape[-1]}; build it with HeadDims(head_dim={v.shape[-1]})")
         res = self.attend(q, k, v, ctx)  # input capsules [b,h,n,d] (+ probs)
-        return AttnOutput(self.route(res.out), res.probs)
+        if not torch.is_grad_enabled():
+            return AttnOutput(self.route(res.out), res.probs)
+        # the votes and every iteration's capsules are recomputed in the backward instead of
+        # kept (r+1 tensors of h times the output's size); routing draws no random numbers
+        out = checkpoint(self.route, res.out, use_reentrant=False, preserve_rng_state=False)
+        return AttnOutput(out, res.probs)
 
 
 # ------------------------------------------------------------------------ grouped query
