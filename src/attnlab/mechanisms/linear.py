@@ -9,6 +9,7 @@ orthogonal random features (``performer``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar, Literal
@@ -352,14 +353,18 @@ def favor_features(x: torch.Tensor, w: torch.Tensor, key_mask: torch.Tensor | No
     """
     proj = x @ w.transpose(0, 1)  # [b,h,L,m]
     expo = proj - x.square().sum(dim=-1, keepdim=True) / 2  # [b,h,L,m]
-    if is_query:
-        stab = expo.amax(dim=-1, keepdim=True)  # [b,h,L,1]
-    else:
-        if key_mask is not None:
-            expo = expo.masked_fill(~key_mask[:, None, :, None].to(torch.bool), float("-inf"))
-        stab = expo.amax(dim=(-2, -1), keepdim=True)  # [b,h,1,1]
-        stab = torch.where(torch.isfinite(stab), stab, torch.zeros_like(stab))  # all padded
-    return torch.exp(expo - stab.detach()) * w.shape[0] ** -0.5  # [b,h,L,m]
+    if not is_query and key_mask is not None:
+        expo = expo.masked_fill(~key_mask[:, None, :, None].to(torch.bool), float("-inf"))
+    with torch.no_grad():  # a constant for the gradient (it cancels)
+        if is_query:
+            stab = expo.amax(dim=-1, keepdim=True)  # [b,h,L,1]
+        else:
+            stab = expo.amax(dim=(-2, -1), keepdim=True)  # [b,h,1,1]
+            stab = torch.where(torch.isfinite(stab), stab, torch.zeros_like(stab))  # all padded
+        # 1/sqrt(m) inside the exponent: exp's output is then the features themselves, one
+        # [b,h,L,m] tensor kept for the backward instead of two
+        stab = stab + 0.5 * math.log(w.shape[0])
+    return torch.exp(expo - stab)  # [b,h,L,m]
 
 
 def _mix_seed(seed: int, layer_idx: int, draw: int) -> int:
