@@ -262,9 +262,8 @@ def test_aux_loss_scales_with_weight_and_reaches_the_query(name, bert_factory, p
 def test_loop_total_loss_is_task_plus_weighted_aux(name, bert_factory, padded_batch):
     """train.loop's micro-step: total = task loss + aux (the weighted sum), its returned aux
     share is that aux, and the query gradient is the sum of both terms' gradients."""
-    from accelerate import Accelerator
-
     from attnlab.recipes.finetune import _Run
+    from attnlab.train.accel import run_accelerator
     from attnlab.train.loop import LoopParts, _micro_step
 
     model = bert_factory("BertForSequenceClassification", num_labels=2)
@@ -282,7 +281,7 @@ def test_loop_total_loss_is_task_plus_weighted_aux(name, bert_factory, padded_ba
     aux = attnlab.aux_loss(model)
     g_task, g_aux = (torch.autograd.grad(x, query, retain_graph=True)[0] for x in (task, aux))
     model.zero_grad()
-    total, aux_share = _micro_step(parts, model, Accelerator(cpu=True), [0], 1, True)
+    total, aux_share = _micro_step(parts, model, run_accelerator(), [0], 1, True)
     assert total == pytest.approx(task.item() + aux.item(), rel=1e-6)
     assert aux_share == pytest.approx(aux.item(), rel=1e-6)
     assert g_aux.abs().sum() > 0

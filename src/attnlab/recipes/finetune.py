@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-from accelerate import Accelerator
 from accelerate.utils import set_seed
 
 from ..analysis.overlap import format_overlap, model_overlap
@@ -35,6 +34,7 @@ from ..config import (
 from ..hf.backend import aux_loss as mechanism_aux_loss
 from ..io import write_json
 from ..tasks import get_task
+from ..train.accel import run_accelerator
 from ..train.checkpoint import TrainerState, list_checkpoints
 from ..train.loop import LoopParts, LoopSettings, fit, plan_steps
 from ..train.memory import peak_rss_mb, reset_peak_rss
@@ -94,9 +94,7 @@ def run_experiment(cfg: ExperimentConfig, resume: bool = False,
 def _run_experiment(cfg: ExperimentConfig, resume: bool, stop_after: int | None,
                     started: str, t0: float, selection: Selection | None) -> dict[str, Any]:
     reset_peak_rss()  # peak memory of this run, not of earlier runs in the process
-    _release_other_precision(cfg.train.mixed_precision)
-    accelerator = Accelerator(mixed_precision=cfg.train.mixed_precision,
-                              cpu=not torch.cuda.is_available())
+    accelerator = run_accelerator(cfg.train.mixed_precision)
     if selection is not None and accelerator.is_main_process:
         print(selection)  # the heads the plan's class:/score selectors matched
     if resume:
@@ -286,20 +284,6 @@ def _summary(cfg: ExperimentConfig, run: _Run, state: TrainerState, end: _End,
         degenerate=degenerate_warning(run.evaluate.one_class, state.evals, state.best_step,
                                       state.step, float(cfg.optim.lr or 0.0)),
         **provenance(), started=started)
-
-
-def _release_other_precision(mixed_precision: str) -> None:
-    """Accelerate keeps one process-wide AcceleratorState and refuses a second Accelerator
-    with another mixed precision ("restart your runtime"). Runs in one process (`attnlab
-    compare --vary train.mixed_precision=no,bf16`, notebooks, tests) may differ there, so the
-    precision part of that state is dropped when it differs; the distributed part
-    (PartialState: process group, rank) is kept. ``_reset_state`` is Accelerate's own
-    (internal) reset, the one its test suite uses."""
-    from accelerate.state import AcceleratorState
-
-    shared = AcceleratorState._shared_state
-    if shared and shared.get("_mixed_precision", mixed_precision) != mixed_precision:
-        AcceleratorState._reset_state(reset_partial_state=False)
 
 
 def evaluate_run(run_dir: str | Path, data_dir: str | None = None) -> dict[str, float]:

@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list, set_seed
 from safetensors.torch import load_model, save_model
 from tqdm.auto import tqdm
@@ -48,6 +47,7 @@ from ..tlm.objective import (
     TlmObjective,
     encode_passages,
 )
+from ..train.accel import run_accelerator
 from ..train.checkpoint import TrainerState, save_checkpoint
 from ..train.loop import (
     LoopParts,
@@ -329,7 +329,7 @@ def run_stage1(cfg: TlmConfig, data: TlmData, run_dir: Path, resume: bool = Fals
 
     folder = run_dir / "stage1"
     folder.mkdir(parents=True, exist_ok=True)
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    accelerator = run_accelerator()  # TLM trains in full precision
     set_seed(cfg.seed)  # the model's init depends on the seed only
     model = build_tlm_model(cfg, data.task)
     s = cfg.stage1
@@ -435,7 +435,7 @@ def run_stage2(cfg: TlmConfig, data: TlmData, run_dir: Path, resume: bool = Fals
     saved as ``run_dir/model.safetensors``."""
     folder = run_dir / "stage2"
     folder.mkdir(parents=True, exist_ok=True)
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    accelerator = run_accelerator()  # TLM trains in full precision
     set_seed(cfg.seed)
     model = stage2_model(cfg, data.task, run_dir)
     s = cfg.stage2
