@@ -1,7 +1,9 @@
 """Dense masked softmax attention through ``F.scaled_dot_product_attention``, when no
 weights are returned: the short-input path of the position patterns (``sparse._run``),
-``hardcoded_gaussian`` (its prior as the bias, zero queries and keys) and ``mca`` (the
-compressed slots' mask as the bias).
+``hardcoded_gaussian`` (its prior as the bias, zero queries and keys), ``mca`` (the
+compressed slots' mask as the bias), and per group of keys: ``clustered`` (the centroid
+queries), ``routing`` (clusters as heads) and ``poolingformer``'s slots (query blocks as
+the batch).
 
 Why: below the blocked engine's length (and for BigBird when its blocks cover about every
 key) a pattern is dense softmax under its mask. ``core.reference_attention`` builds that

@@ -24,6 +24,7 @@ from ..core import (
     register_mechanism,
 )
 from ..core.slicing import over_head_groups
+from ._maskedsdpa import masked_sdpa
 
 # Score given to a token's own key (Reformer's self-mask; as trax and Hugging Face, a
 # finite value: a token whose window holds no other valid key attends to itself alone,
@@ -96,19 +97,15 @@ def _gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 def _cluster_sdpa(qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor,
                   kvalid: torch.Tensor, scale: float) -> torch.Tensor:
-    """softmax over each cluster's valid keys, times their values, on
-    ``F.scaled_dot_product_attention``: qs [b,h,k,wq,d], ks [b,h,k,wk,d], vs [b,h,k,wk,dv],
-    kvalid [b,h,k,wk] -> [b,h,k,wq,dv]; a cluster with no valid key gives 0 (as
-    ``masked_softmax``: its mask row is made finite for the kernel, its output zeroed)."""
+    """softmax over each cluster's valid keys, times their values, on ``masked_sdpa``
+    (clusters as heads): qs [b,h,k,wq,d], ks [b,h,k,wk,d], vs [b,h,k,wk,dv], kvalid
+    [b,h,k,wk] -> [b,h,k,wq,dv]; a cluster with no valid key gives 0."""
     b, h, nk, wq, _ = qs.shape
-    live = kvalid.any(-1)  # [b,h,k]
-    mask = torch.zeros(kvalid.shape, dtype=qs.dtype, device=qs.device)
-    mask = mask.masked_fill(~kvalid & live[..., None], float("-inf"))  # [b,h,k,wk]
-    out = F.scaled_dot_product_attention(
-        qs.flatten(0, 1), ks.flatten(0, 1), vs.flatten(0, 1),
-        attn_mask=mask.flatten(0, 1)[:, :, None, :], scale=scale)  # [b*h,k,wq,dv]
-    out = out.view(b, h, nk, wq, -1)
-    return out if bool(live.all()) else out * live[..., None, None].to(out.dtype)
+    bias = torch.zeros(kvalid.shape, dtype=qs.dtype, device=qs.device)
+    bias = bias.masked_fill(~kvalid, float("-inf")).flatten(0, 1)[:, :, None, :]
+    out = masked_sdpa(qs.flatten(0, 1), ks.flatten(0, 1), vs.flatten(0, 1), bias, None,
+                      False, scale, 0.0)  # [b*h,k,wq,dv]
+    return out.view(b, h, nk, wq, -1)
 
 
 def lsh_attention(

@@ -25,6 +25,7 @@ from ..core import (
     register_mechanism,
 )
 from ..core.slicing import over_head_groups
+from ._maskedsdpa import masked_sdpa
 from .memory import FAMILY
 from .sparse import Band, BandConfig
 
@@ -100,23 +101,19 @@ def pool_slots(x: torch.Tensor, keep: torch.Tensor, kappa: int, xi: int, how: st
 
 def _slot_sdpa(qb: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor, allowed: torch.Tensor,
                scale: float) -> torch.Tensor:
-    """``slot_attention``'s softmax on ``F.scaled_dot_product_attention``: qb [b,h,nb,bq,d],
-    kg / vg [b,h,nb,W,d|dv], allowed [b,nb,bq,W] -> [b,h,nb*bq,dv]. Blocks become the batch
+    """``slot_attention``'s softmax on ``masked_sdpa``: qb [b,h,nb,bq,d], kg / vg
+    [b,h,nb,W,d|dv], allowed [b,nb,bq,W] -> [b,h,nb*bq,dv]. Blocks become the batch
     ([b*nb, h, ., .]) so that one mask [b*nb, 1, bq, W] serves every head; a row with no
-    visible slot gets a finite mask row and its output zeroed (0, as ``masked_softmax``)."""
-    b, h, nb, bq, d = qb.shape
-    W = kg.shape[3]
-    live = allowed.any(-1, keepdim=True)  # [b,nb,bq,1]
-    mask = torch.zeros(allowed.shape, dtype=qb.dtype, device=qb.device)
-    mask = mask.masked_fill(~allowed & live, float("-inf")).view(b * nb, 1, bq, W)
+    visible slot gives 0."""
+    b, h, nb, bq, _ = qb.shape
+    bias = torch.zeros(allowed.shape, dtype=qb.dtype, device=qb.device)
+    bias = bias.masked_fill(~allowed, float("-inf")).view(b * nb, 1, bq, -1)
 
     def blocks_first(x: torch.Tensor) -> torch.Tensor:  # [b,h,nb,L,e] -> [b*nb,h,L,e]
         return x.transpose(1, 2).reshape(b * nb, h, x.shape[3], x.shape[4])
 
-    o = F.scaled_dot_product_attention(blocks_first(qb), blocks_first(kg), blocks_first(vg),
-                                       attn_mask=mask, scale=scale)  # [b*nb,h,bq,dv]
-    if not bool(live.all()):
-        o = o * live.view(b * nb, 1, bq, 1).to(o.dtype)
+    o = masked_sdpa(blocks_first(qb), blocks_first(kg), blocks_first(vg), bias, None, False,
+                    scale, 0.0)  # [b*nb,h,bq,dv]
     return o.view(b, nb, h, bq, -1).transpose(1, 2).reshape(b, h, nb * bq, -1)
 
 
