@@ -1,16 +1,19 @@
 """The short-input path of the position patterns (``_maskedsdpa.masked_sdpa``) against
 ``core.reference_attention``: outputs and gradients to 1e-5 (fp32; the fused kernel sums in
 another order), with pattern rows that have no key, key masks (one sequence all padding)
-and causal masking; and the patterns themselves below the blocked engine's length."""
+and causal masking; and the patterns themselves below the blocked engine's length.
+``sdpa`` with unequal q/k and v head dims: the same tolerance against the reference, and
+the CPU fused kernel taken (SDPA's math path would keep the [b, h, n, m] probabilities)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import attnlab
 from attnlab.core import reference_attention
-from attnlab.mechanisms._maskedsdpa import masked_sdpa
+from attnlab.mechanisms._maskedsdpa import masked_sdpa, sdpa
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 
@@ -80,3 +83,41 @@ def test_patterns_below_the_blocked_length_match_their_reference(spec):
         for a, r in zip(torch.autograd.grad(fast, (q, k, v), g),
                         torch.autograd.grad(slow, (q, k, v), g), strict=True):
             torch.testing.assert_close(a, r, **TOL)
+
+
+@pytest.mark.parametrize("d, dv", [(16, 8), (8, 16)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sdpa_with_unequal_head_dims_equals_the_reference(d, dv, causal):
+    """Zero columns on the narrower side (q and k, or v) change nothing: outputs and the
+    gradients of q, k and v (at their own widths) to 1e-5, with a key mask."""
+    g = torch.Generator().manual_seed(5)
+    q, k = (torch.randn(2, 3, 13, d, generator=g).requires_grad_() for _ in range(2))
+    v = torch.randn(2, 3, 13, dv, generator=g).requires_grad_()
+    keep = (torch.arange(13)[None] < torch.tensor([13, 9])[:, None])[:, None, None]
+    out = sdpa(q, k, v, attn_mask=keep, is_causal=False, scale=0.4) if not causal else \
+        sdpa(q, k, v, is_causal=True, scale=0.4)
+    ref, _ = reference_attention(q, k, v, key_mask=None if causal else keep[:, 0, 0],
+                                 causal=causal, scale=0.4)
+    assert out.shape == (2, 3, 13, dv)
+    torch.testing.assert_close(out, ref, **TOL)
+    grad = torch.randn_like(out)
+    for a, r in zip(torch.autograd.grad(out, (q, k, v), grad),
+                    torch.autograd.grad(ref, (q, k, v), grad), strict=True):
+        assert a.shape == r.shape
+        torch.testing.assert_close(a, r, **TOL)
+
+
+@pytest.mark.parametrize("spec", ["collaborative", "lowrank_band(rank=4, window=2)"])
+def test_unequal_head_dims_run_on_the_fused_kernel(spec):
+    """With only the fused kernel allowed, SDPA refuses unequal head dims ("No available
+    kernel"); ``sdpa``, and the mechanisms whose q/k width is not v's (collaborative's
+    shared Dk = h*d against d, lowrank_band's rank r), run forward and backward on it."""
+    g = torch.Generator().manual_seed(6)
+    q, k = (torch.randn(2, 2, 300, 8, generator=g).requires_grad_() for _ in range(2))
+    v = torch.randn(2, 2, 300, 16, generator=g).requires_grad_()
+    mech = attnlab.build_mechanism(spec, attnlab.HeadDims(2, 16, 512)).train()
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        sdpa(q, k, v, scale=0.3).sum().backward()
+        x = torch.randn(2, 2, 300, 16, generator=g, requires_grad=True)
+        mech(x, x, x, attnlab.AttnContext()).out.sum().backward()
+    assert torch.isfinite(x.grad).all()

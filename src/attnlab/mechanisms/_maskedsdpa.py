@@ -15,6 +15,12 @@ a row with no allowed key gives 0. torch 2.13's CPU kernels already return 0 for
 -inf; for kernels that give NaN there, such a row is given an all-zero mask row (every
 key, finite) and its output is zeroed afterwards, so no NaN reaches the output or the
 gradients on any of them. Attention dropout is SDPA's (on the probabilities, as the reference's).
+
+``sdpa`` is the one call of ``F.scaled_dot_product_attention`` for the mechanisms (this
+module's and ``dense.Softmax``'s): torch's CPU fused kernel needs one head dim for q, k and
+v, and without it SDPA falls back to its math path, which keeps the [b, h, n, m]
+probabilities for the backward (``collaborative``: shared width Dk = h*d against the value's
+d; ``lowrank_band``: rank r against d). Zero columns make the dims equal, exactly.
 Shapes: b batch, h heads, n queries, m keys, d / dv head dims.
 """
 
@@ -24,6 +30,30 @@ import torch
 import torch.nn.functional as F
 
 from ..core import causal_mask
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+         attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+         is_causal: bool = False, scale: float) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` -> [b, h, n, dv], with q, k [b, h, n|m, d] and
+    v [b, h, m, dv] brought to one head dim where that lets the CPU fused kernel run: on the
+    CPU, without dropout (the kernel has none there) and with a mask that needs no gradient,
+    the narrower side gets zero columns (q and k together: each score gains 0 * 0 terms; v:
+    output columns of 0, cut off). ``scale`` is required: SDPA's default would follow the
+    padded width. Elsewhere (CUDA's memory-efficient kernel takes d != dv) the call is
+    unchanged."""
+    d, dv = q.shape[-1], v.shape[-1]
+    if (d != dv and dropout_p == 0 and q.device.type == "cpu"
+            and (attn_mask is None or not attn_mask.requires_grad)):
+        if d < dv:
+            q, k = F.pad(q, (0, dv - d)), F.pad(k, (0, dv - d))
+        else:
+            v = F.pad(v, (0, d - dv))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
+                                             scale=scale)
+        return out[..., :dv]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                                          is_causal=is_causal, scale=scale)
 
 
 def masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
@@ -46,6 +76,5 @@ def masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.T
     dead = not bool(live.all())
     if dead:  # a row of -inf would give NaN: give it every key, zero it after
         mask = mask.masked_fill(~live, 0.0)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
-                                         scale=scale)  # [b,h,n,dv]
+    out = sdpa(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scale)  # [b,h,n,dv]
     return out * live.to(out.dtype) if dead else out

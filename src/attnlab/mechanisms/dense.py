@@ -6,7 +6,6 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..core import (
@@ -20,6 +19,7 @@ from ..core import (
     reference_attention,
     register_mechanism,
 )
+from ._maskedsdpa import sdpa
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,9 +46,11 @@ class Softmax(nn.Module):
     """Scaled dot-product attention, softmax(Q K^T / sqrt(d) + mask) V.
 
     Paper: Vaswani et al., "Attention Is All You Need", NeurIPS 2017.
-    Fast path: ``F.scaled_dot_product_attention``; probabilities are materialised (via
-    ``core.reference``) only when ``ctx.need_weights``. Complexity O(n*m). bias() is all
-    zeros, so the fast path is checked against the reference directly.
+    Fast path: ``F.scaled_dot_product_attention`` (through ``_maskedsdpa.sdpa``, which
+    gives q, k and v one head dim where the CPU fused kernel needs it); probabilities are
+    materialised (via ``core.reference``) only when ``ctx.need_weights``. Complexity
+    O(n*m). bias() is all zeros, so the fast path is checked against the reference
+    directly.
     """
 
     example: ClassVar[str] = "softmax"
@@ -80,10 +82,8 @@ class Softmax(nn.Module):
         if ctx.causal and (mask is not None or n != m):
             cm = causal_mask(n, m, q.device)  # [n,m]
             mask = cm if mask is None else mask & cm
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=p,
-            is_causal=ctx.causal and mask is None, scale=scale,
-        )  # [b,h,n,dv]
+        out = sdpa(q, k, v, attn_mask=mask, dropout_p=p, is_causal=ctx.causal and mask is None,
+                   scale=scale)  # [b,h,n,dv]
         live = rows_with_keys(ctx.key_mask, ctx.causal, n, m)
         if live is not None:
             out = torch.where(live, out, torch.zeros((), dtype=out.dtype, device=out.device))
