@@ -46,11 +46,21 @@ class ResidualScores(NamedTuple):
 
 
 def allowed_pairs(ctx: AttnContext, shape: torch.Size | tuple[int, ...],
-                  device: torch.device) -> torch.Tensor:
-    """[b,h,n,m] bool (an expanded view): key j is visible to query i (padding, causality)."""
+                  device: torch.device, first_row: int = 0,
+                  num_queries: int | None = None) -> torch.Tensor:
+    """[b,h,n,m] bool (an expanded view): key j is visible to query i (padding, causality).
+    For a chunk of query rows (``_rowchunks``): the n rows are rows first_row .. of
+    ``num_queries`` (their causal alignment to the last num_queries keys)."""
     n, m = shape[-2], shape[-1]
-    allowed = (causal_mask(n, m, device) if ctx.causal
-               else torch.ones(n, m, dtype=torch.bool, device=device))  # [n,m]
+    if ctx.causal:  # query row r sees keys j <= r + (m - total) (``causal_mask``'s alignment)
+        total = n if num_queries is None else num_queries
+        if first_row == 0 and total == n:
+            allowed = causal_mask(n, m, device)  # [n,m]
+        else:
+            i = torch.arange(first_row, first_row + n, device=device)[:, None] + (m - total)
+            allowed = torch.arange(m, device=device)[None, :] <= i  # [n,m]
+    else:
+        allowed = torch.ones(n, m, dtype=torch.bool, device=device)  # [n,m]
     allowed = allowed.expand(shape)  # [b,h,n,m]
     if ctx.key_mask is not None:
         allowed = allowed & ctx.key_mask[:, None, None, :].to(torch.bool)

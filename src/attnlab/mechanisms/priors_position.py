@@ -35,6 +35,7 @@ from ..core import (
 )
 from ._gaussian_window import FAST_DTYPES, gaussian_window, window_lags
 from ._maskedsdpa import masked_sdpa
+from ._rowchunks import in_row_chunks
 from .priors import allowed_pairs
 
 FAMILY = "priors"
@@ -49,23 +50,35 @@ def _check(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
-def _distance(n: int, m: int, device: torch.device) -> torch.Tensor:
-    """(i + (m - n)) - j as float [n,m]: query position minus key position."""
-    i = torch.arange(n, device=device, dtype=torch.float32)[:, None] + (m - n)
+def _distance(n: int, m: int, device: torch.device, first_row: int = 0,
+              rows: int | None = None) -> torch.Tensor:
+    """(i + (m - n)) - j as float [rows,m]: query position minus key position, for query
+    rows first_row .. first_row + rows - 1 of n (all n by default)."""
+    rows = n if rows is None else rows
+    i = torch.arange(first_row, first_row + rows, device=device,
+                     dtype=torch.float32)[:, None] + (m - n)
     j = torch.arange(m, device=device, dtype=torch.float32)[None, :]
     return i - j
 
 
 def _attend(scores: torch.Tensor, v: torch.Tensor, ctx: AttnContext,
-            training: bool) -> AttnOutput:
+            training: bool, first_row: int = 0, num_queries: int | None = None
+            ) -> AttnOutput:
     """softmax(scores) over the visible keys, dropout in training, @ v.
-    scores [b|1,h,n,m] (broadcast over the batch), v [b,h,m,dv]."""
+    scores [b|1,h,n,m] (broadcast over the batch), v [b,h,m,dv]; for a chunk of rows
+    (``_rowchunks``) the n rows are rows first_row .. of ``num_queries``."""
     b = v.shape[0]
     shape = (b, *scores.shape[1:])
-    probs = masked_softmax(scores.expand(shape), allowed_pairs(ctx, shape, v.device))
+    allowed = allowed_pairs(ctx, shape, v.device, first_row, num_queries)
+    probs = masked_softmax(scores.expand(shape), allowed)
     p = F.dropout(probs, ctx.dropout, training=True) if training and ctx.dropout else probs
     out = p @ v.to(p.dtype)  # [b,h,n,dv]
     return AttnOutput(out, probs if ctx.need_weights else None)
+
+
+def _dropping(ctx: AttnContext, training: bool) -> bool:
+    """Whether attention dropout draws random numbers in this call."""
+    return bool(training and ctx.dropout)
 
 
 # --------------------------------------------------------------------------- gaussian_prior
@@ -90,7 +103,9 @@ class GaussianPrior(nn.Module):
     W_p is shared by the centre and the window (as in the paper); v_p, v_d differ.
     Parameters per head: W_p [h,d,d], v_p [h,d], v_d [h,d], initialised as ``nn.Linear``
     weights (uniform in +-1/sqrt(d)) from the global torch RNG; no biases (the paper has
-    none). Complexity O(n*m*d) (scores materialised).
+    none). Complexity O(n*m*d); without ``need_weights`` the scores exist a chunk of query
+    rows at a time, recomputed in the backward (``_rowchunks``: training memory O(n) plus
+    one chunk instead of several [b, h, n, m] tensors).
     Deviations: I is the number of unpadded keys of each sequence, so a padded sequence is
     attended exactly as the unpadded one (right padding); sigma_i is clamped to >= 1e-4 so
     that G stays finite when the sigmoid underflows. Causal attention (masking after the
@@ -144,9 +159,17 @@ class GaussianPrior(nn.Module):
 
     def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
         check_qkv(q, k, v, self.dims)
-        m = k.shape[-2]
-        scores = (q @ k.transpose(-1, -2)) * ctx.scale_for(q.shape[-1])  # [b,h,n,m]
-        return _attend(scores + self.prior(q, ctx, m), v, ctx, self.training)
+        n, m = q.shape[-2], k.shape[-2]
+        scale = ctx.scale_for(q.shape[-1])
+        if ctx.need_weights:
+            scores = (q @ k.transpose(-1, -2)) * scale  # [b,h,n,m]
+            return _attend(scores + self.prior(q, ctx, m), v, ctx, self.training)
+
+        def rows(r0: int, qc: torch.Tensor) -> torch.Tensor:  # qc [b,h,c,d] -> [b,h,c,dv]
+            scores = (qc @ k.transpose(-1, -2)) * scale  # [b,h,c,m]
+            return _attend(scores + self.prior(qc, ctx, m), v, ctx, self.training, r0, n).out
+
+        return AttnOutput(in_row_chunks(rows, q, m, dropout=_dropping(ctx, self.training)))
 
 
 # --------------------------------------------------------------------- gaussian_transformer
@@ -187,7 +210,8 @@ class GaussianTransformer(nn.Module):
     the boundary values 0 are approached, not reached); init w = ``w_init``, b = ``b_init``
     (constants, so the same under every seed). ``bias(n, m)`` gives G [h,n,m] and the
     mechanism is softmax over that additive bias (``caps.exact``, tested against
-    ``core.reference``). Complexity O(n*m) (dense scores).
+    ``core.reference``). Complexity O(n*m) (dense scores, a chunk of query rows at a time
+    and recomputed in the backward when no weights are asked for: ``_rowchunks``).
     Deviations: only the attention prior is implemented (the paper's encoding, interaction
     and comparison blocks are architecture, not attention). The paper's initial values of
     w, b are not given here; the defaults are a choice. ``need_weights`` returns the
@@ -223,17 +247,28 @@ class GaussianTransformer(nn.Module):
         """b [h], <= 0."""
         return -F.softplus(self.b_raw)
 
-    def bias(self, n: int, m: int) -> torch.Tensor:
-        """G [h,n,m] = -|w d_ij^2 + b|, computed in float32 (d^2 is exact there)."""
-        d2 = _distance(n, m, self.w_raw.device).square()  # [n,m]
+    def bias(self, n: int, m: int, first_row: int = 0, rows: int | None = None
+             ) -> torch.Tensor:
+        """G [h,n,m] = -|w d_ij^2 + b|, computed in float32 (d^2 is exact there); G
+        [h,rows,m] for query rows first_row .. first_row + rows - 1 of n."""
+        d2 = _distance(n, m, self.w_raw.device, first_row, rows).square()  # [n|rows,m]
         w, b = self.w.float()[:, None, None], self.b.float()[:, None, None]  # [h,1,1]
         return -(w * d2 + b).abs()
 
     def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
         check_qkv(q, k, v, self.dims)
         n, m = q.shape[-2], k.shape[-2]
-        scores = (q @ k.transpose(-1, -2)) * ctx.scale_for(q.shape[-1])  # [b,h,n,m]
-        return _attend(scores + self.bias(n, m).to(scores.dtype), v, ctx, self.training)
+        scale = ctx.scale_for(q.shape[-1])
+        if ctx.need_weights:
+            scores = (q @ k.transpose(-1, -2)) * scale  # [b,h,n,m]
+            return _attend(scores + self.bias(n, m).to(scores.dtype), v, ctx, self.training)
+
+        def rows(r0: int, qc: torch.Tensor) -> torch.Tensor:  # qc [b,h,c,d] -> [b,h,c,dv]
+            scores = (qc @ k.transpose(-1, -2)) * scale  # [b,h,c,m]
+            g = self.bias(n, m, r0, qc.shape[-2]).to(scores.dtype)  # [h,c,m]
+            return _attend(scores + g, v, ctx, self.training, r0, n).out
+
+        return AttnOutput(in_row_chunks(rows, q, m, dropout=_dropping(ctx, self.training)))
 
 
 # ----------------------------------------------------------------------- hardcoded_gaussian

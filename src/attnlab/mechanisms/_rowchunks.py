@@ -1,0 +1,56 @@
+"""Query rows in chunks, each under an activation checkpoint: training memory O(chunk * m)
+for mechanisms that build their scores explicitly ([b, h, n, m]: a learned or
+query-dependent prior on every score) and whose query rows are independent given k, v and
+the parameters (``gaussian_prior``, ``gaussian_transformer``).
+
+Why: the dense form keeps, for the backward, the scores, the biased scores, the softmax
+probabilities and a dropout mask, each [b, h, n, m]: at 4 x 4096 tokens and 2 heads that is
+0.5 GB apiece per layer, where a flash softmax keeps O(n). Here the rows run in chunks of
+about ``CHUNK_ELEMS`` scores. With gradients on, each chunk runs under a non-reentrant
+checkpoint: autograd keeps the chunk's inputs (a view of q; k, v and the parameters are
+shared by every chunk) and recomputes one chunk's scores at a time in the backward. The
+arithmetic of each row is the dense form's, so the result is the same; a chunk's dropout
+mask is redrawn identically in the recomputation (the checkpoint restores the RNG state
+when attention dropout is on). Without gradients the chunks only bound the forward's
+transient memory.
+
+Shapes: b batch, h heads, n query rows, m keys, c rows of a chunk, dv value head dim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+# Scores per chunk (b * h * c * m): 2 Mi floats, 8 MB in float32 per buffer.
+CHUNK_ELEMS = 1 << 21
+
+
+def rows_per_chunk(b: int, h: int, m: int) -> int:
+    """c: the query rows of one chunk of about CHUNK_ELEMS scores (at least 1)."""
+    return max(1, CHUNK_ELEMS // max(1, b * h * m))
+
+
+def in_row_chunks(rows: Callable[[int, torch.Tensor], torch.Tensor], q: torch.Tensor, m: int,
+                  *, dropout: bool) -> torch.Tensor:
+    """The output [b, h, n, dv] of ``rows(r0, q_rows)`` -> [b, h, c, dv], the attention of
+    query rows r0 .. r0 + c - 1 (q_rows = q[:, :, r0:r0 + c], q [b, h, n, d]) over the m
+    keys, run chunk by chunk (under checkpoints when gradients are on). ``dropout``: the
+    rows draw random numbers (attention dropout in training), so the checkpoints keep the
+    RNG state for the recomputation."""
+    b, h, n = q.shape[0], q.shape[1], q.shape[2]
+    c = rows_per_chunk(b, h, m)
+    if c >= n:
+        return rows(0, q)
+    grad = torch.is_grad_enabled()
+    outs = []
+    for r0 in range(0, n, c):
+        qc = q[:, :, r0:r0 + c]  # [b,h,c,d]
+        if grad:
+            outs.append(checkpoint(rows, r0, qc, use_reentrant=False,
+                                   preserve_rng_state=dropout))
+        else:
+            outs.append(rows(r0, qc))
+    return torch.cat(outs, dim=2)  # [b,h,n,dv]

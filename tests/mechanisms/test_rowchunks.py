@@ -1,0 +1,95 @@
+"""Query rows in checkpointed chunks (``_rowchunks``) for the mechanisms with explicit
+scores: outputs and the gradients of q, k, v and the parameters equal the dense form's
+(``need_weights``, which keeps the whole [b, h, n, m]) to 1e-5 (fp32), with chunks that do
+not divide n, a key mask, causal masking and n != m; attention dropout's masks are redrawn
+identically in the recomputation; and training keeps far less than one [b, h, n, m]."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnlab
+from attnlab.mechanisms import _rowchunks
+
+TOL = {"atol": 1e-5, "rtol": 1e-5}
+SPECS = ["gaussian_transformer(w_init=0.5, b_init=-0.5)", "gaussian_prior"]
+
+
+def _build(spec: str):
+    torch.manual_seed(0)
+    return attnlab.build_mechanism(spec, attnlab.HeadDims(2, 8, 64)).train()
+
+
+def _inputs(n: int, m: int, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(3, 2, n, 8, generator=g).requires_grad_()
+    k, v = (torch.randn(3, 2, m, 8, generator=g).requires_grad_() for _ in range(2))
+    return q, k, v
+
+
+def _grads(mech, out, inputs):
+    params = [p for p in mech.parameters() if p.requires_grad]
+    g = torch.Generator().manual_seed(9)
+    return torch.autograd.grad(out, [*inputs, *params], torch.randn(out.shape, generator=g))
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("causal, n, m", [(False, 13, 13), (True, 13, 13), (True, 11, 13),
+                                          (False, 11, 13)])
+def test_chunks_equal_the_dense_form(monkeypatch, spec, causal, n, m):
+    monkeypatch.setattr(_rowchunks, "CHUNK_ELEMS", 3 * 2 * 3 * m)  # 3 rows a chunk
+    assert _rowchunks.rows_per_chunk(3, 2, m) == 3
+    mech = _build(spec)
+    q, k, v = _inputs(n, m)
+    key_mask = torch.arange(m)[None] < torch.tensor([m, m - 4, 5])[:, None]
+    ctx = attnlab.AttnContext(key_mask=key_mask, causal=causal)
+    chunked = mech(q, k, v, ctx).out
+    dense = mech(q, k, v, attnlab.AttnContext(key_mask=key_mask, causal=causal,
+                                              need_weights=True)).out
+    torch.testing.assert_close(chunked, dense, **TOL)
+    for a, r in zip(_grads(mech, chunked, (q, k, v)), _grads(mech, dense, (q, k, v)),
+                    strict=True):
+        torch.testing.assert_close(a, r, **TOL)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_dropout_masks_are_redrawn_identically(monkeypatch, spec):
+    """The backward through the checkpoints equals the backward of the same chunks run
+    without checkpoints (same seed, so the same dropout masks in the forward)."""
+    monkeypatch.setattr(_rowchunks, "CHUNK_ELEMS", 3 * 2 * 4 * 13)
+    mech = _build(spec)
+    ctx = attnlab.AttnContext(dropout=0.3)
+    results = []
+    for plain in (False, True):
+        if plain:
+            monkeypatch.setattr(_rowchunks, "checkpoint",
+                                lambda fn, *args, **kwargs: fn(*args))
+        q, k, v = _inputs(13, 13)
+        torch.manual_seed(5)
+        out = mech(q, k, v, ctx).out
+        results.append((out, _grads(mech, out, (q, k, v))))
+    (out_a, grads_a), (out_b, grads_b) = results
+    torch.testing.assert_close(out_a, out_b, atol=0, rtol=0)
+    for a, b in zip(grads_a, grads_b, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_training_keeps_less_than_one_score_tensor(spec):
+    """What autograd keeps for the backward (unique storages) at n = 1024: under half of
+    one [b, h, n, m] float32 tensor (the dense form keeps several)."""
+    mech = _build(spec)
+    q, k, v = _inputs(1024, 1024)
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = mech(q, k, v, attnlab.AttnContext()).out
+    one_scores = 3 * 2 * 1024 * 1024 * 4
+    assert sum(seen.values()) < one_scores / 2
+    out.sum().backward()
+    assert torch.isfinite(q.grad).all()
