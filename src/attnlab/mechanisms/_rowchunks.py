@@ -1,7 +1,9 @@
 """Query rows in chunks, each under an activation checkpoint: training memory O(chunk * m)
 for mechanisms that build their scores explicitly ([b, h, n, m]: a learned or
-query-dependent prior on every score) and whose query rows are independent given k, v and
-the parameters (``gaussian_prior``, ``gaussian_transformer``).
+query-dependent term on every score) and whose query rows are independent given k, v and
+the parameters: ``gaussian_prior``, ``gaussian_transformer``, ``talking_heads`` (its head
+mixes act per (query, key) pair), ``synthesizer`` and ``camtl_prior``. Also the one home
+of ``allowed_pairs``, the visibility mask (padding, causality) of such scores.
 
 Why: the dense form keeps, for the backward, the scores, the biased scores, the softmax
 probabilities and a dropout mask, each [b, h, n, m]: at 4 x 4096 tokens and 2 heads that is
@@ -24,8 +26,32 @@ from collections.abc import Callable
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from ..core import AttnContext, causal_mask
+
 # Scores per chunk (b * h * c * m): 2 Mi floats, 8 MB in float32 per buffer.
 CHUNK_ELEMS = 1 << 21
+
+
+def allowed_pairs(ctx: AttnContext, shape: torch.Size | tuple[int, ...],
+                  device: torch.device, first_row: int = 0,
+                  num_queries: int | None = None) -> torch.Tensor:
+    """[b,h,n,m] bool (an expanded view): key j is visible to query i (padding, causality).
+    For a chunk of query rows: the n rows are rows first_row .. of ``num_queries`` (the
+    causal alignment is to the last num_queries keys, as ``core.causal_mask``'s)."""
+    n, m = shape[-2], shape[-1]
+    if ctx.causal:  # query row r sees keys j <= r + (m - total)
+        total = n if num_queries is None else num_queries
+        if first_row == 0 and total == n:
+            allowed = causal_mask(n, m, device)  # [n,m]
+        else:
+            i = torch.arange(first_row, first_row + n, device=device)[:, None] + (m - total)
+            allowed = torch.arange(m, device=device)[None, :] <= i  # [n,m]
+    else:
+        allowed = torch.ones(n, m, dtype=torch.bool, device=device)  # [n,m]
+    allowed = allowed.expand(shape)  # [b,h,n,m]
+    if ctx.key_mask is not None:
+        allowed = allowed & ctx.key_mask.to(device=device, dtype=torch.bool)[:, None, None, :]
+    return allowed
 
 
 def rows_per_chunk(b: int, h: int, m: int) -> int:

@@ -15,11 +15,11 @@ from ..core import (
     Capabilities,
     HeadDims,
     MechanismConfig,
-    causal_mask,
     check_qkv,
     masked_softmax,
     register_mechanism,
 )
+from ._rowchunks import allowed_pairs, in_row_chunks
 from .heads_structure import GroupedQuery, GroupedQueryConfig
 
 # ----------------------------------------------------------------------------- talking heads
@@ -50,6 +50,9 @@ class TalkingHeads(nn.Module):
     rows with no visible key give 0. Dropout ``ctx.dropout`` applies to W' (the weights
     that multiply V, as in TF Model Garden). ``need_weights`` returns W' [b,h,n,m], which
     need not be positive or sum to 1. Scope "layer": it mixes every head of its layer.
+    Memory: without ``need_weights`` the rows run in chunks under activation checkpoints
+    (``_rowchunks``), so training keeps no [b, h, n, m] tensor; each row's arithmetic is
+    unchanged.
     """
 
     example: ClassVar[str] = "talking_heads"
@@ -74,22 +77,28 @@ class TalkingHeads(nn.Module):
                 else:
                     nn.init.xavier_uniform_(p)
 
+    def _rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext,
+              first_row: int, num_queries: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out [b,h,c,dv], W' [b,h,c,m]) of query rows first_row .. of num_queries (q
+        [b,h,c,d]: those rows)."""
+        logits = (q @ k.transpose(-1, -2)) * ctx.scale_for(q.shape[-1])  # J [b,h,c,m]
+        logits = torch.einsum("bhnm,hg->bgnm", logits, self.P_l.to(logits.dtype))  # J'
+        allowed = allowed_pairs(ctx, logits.shape, q.device, first_row, num_queries)
+        w = masked_softmax(logits, allowed)  # W [b,h,c,m]
+        w = torch.einsum("bhnm,hg->bgnm", w, self.P_w.to(w.dtype))  # W' [b,h,c,m]
+        wd = F.dropout(w, ctx.dropout, training=True) if self.training and ctx.dropout else w
+        return wd @ v.to(wd.dtype), w  # [b,h,c,dv]
+
     def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
         check_qkv(q, k, v, self.dims)
         n, m = q.shape[-2], k.shape[-2]
-        logits = (q @ k.transpose(-1, -2)) * ctx.scale_for(q.shape[-1])  # J [b,h,n,m]
-        logits = torch.einsum("bhnm,hg->bgnm", logits, self.P_l.to(logits.dtype))  # J'
-        allowed = torch.ones(n, m, dtype=torch.bool, device=q.device)  # [n,m]
-        if ctx.causal:
-            allowed = causal_mask(n, m, q.device)
-        allowed = allowed.expand(logits.shape)  # [b,h,n,m]
-        if ctx.key_mask is not None:
-            allowed = allowed & ctx.key_mask[:, None, None, :].to(torch.bool)
-        w = masked_softmax(logits, allowed)  # W [b,h,n,m]
-        w = torch.einsum("bhnm,hg->bgnm", w, self.P_w.to(w.dtype))  # W' [b,h,n,m]
-        wd = F.dropout(w, ctx.dropout, training=True) if self.training and ctx.dropout else w
-        out = wd @ v.to(wd.dtype)  # [b,h,n,dv]
-        return AttnOutput(out, w if ctx.need_weights else None)
+        if ctx.need_weights:
+            out, w = self._rows(q, k, v, ctx, 0, n)
+            return AttnOutput(out, w)
+        # the query rows in checkpointed chunks: training keeps no [b,h,n,m] (_rowchunks)
+        out = in_row_chunks(lambda r0, qc: self._rows(qc, k, v, ctx, r0, n)[0], q, m,
+                            dropout=bool(self.training and ctx.dropout))
+        return AttnOutput(out)
 
 
 # ------------------------------------------------------------------------- multi-query

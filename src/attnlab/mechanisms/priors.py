@@ -28,11 +28,11 @@ from ..core import (
     Capabilities,
     HeadDims,
     MechanismConfig,
-    causal_mask,
     check_qkv,
     masked_softmax,
     register_mechanism,
 )
+from ._rowchunks import allowed_pairs
 
 # Key of the residual-score entry in ``AttnContext.state``; the value is a ResidualScores.
 REALFORMER_STATE_KEY = "realformer.scores"
@@ -43,28 +43,6 @@ class ResidualScores(NamedTuple):
 
     scores: torch.Tensor
     layer_idx: int
-
-
-def allowed_pairs(ctx: AttnContext, shape: torch.Size | tuple[int, ...],
-                  device: torch.device, first_row: int = 0,
-                  num_queries: int | None = None) -> torch.Tensor:
-    """[b,h,n,m] bool (an expanded view): key j is visible to query i (padding, causality).
-    For a chunk of query rows (``_rowchunks``): the n rows are rows first_row .. of
-    ``num_queries`` (their causal alignment to the last num_queries keys)."""
-    n, m = shape[-2], shape[-1]
-    if ctx.causal:  # query row r sees keys j <= r + (m - total) (``causal_mask``'s alignment)
-        total = n if num_queries is None else num_queries
-        if first_row == 0 and total == n:
-            allowed = causal_mask(n, m, device)  # [n,m]
-        else:
-            i = torch.arange(first_row, first_row + n, device=device)[:, None] + (m - total)
-            allowed = torch.arange(m, device=device)[None, :] <= i  # [n,m]
-    else:
-        allowed = torch.ones(n, m, dtype=torch.bool, device=device)  # [n,m]
-    allowed = allowed.expand(shape)  # [b,h,n,m]
-    if ctx.key_mask is not None:
-        allowed = allowed & ctx.key_mask[:, None, None, :].to(torch.bool)
-    return allowed
 
 
 def lower_entry(state: dict[str, Any] | None, key: str, name: str, layer_idx: int,

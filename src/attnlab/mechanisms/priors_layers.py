@@ -33,7 +33,8 @@ from ..core import (
     masked_softmax,
     register_mechanism,
 )
-from .priors import ResidualScores, allowed_pairs, lower_entry
+from ._rowchunks import allowed_pairs
+from .priors import ResidualScores, lower_entry
 
 FAMILY = "priors"
 

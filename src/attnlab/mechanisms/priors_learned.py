@@ -24,13 +24,12 @@ from ..core import (
     Capabilities,
     HeadDims,
     MechanismConfig,
-    causal_mask,
     check_qkv,
     masked_softmax,
-    reference_attention,
     register_mechanism,
 )
 from ..core.protocol import TASK_ID
+from ._rowchunks import allowed_pairs, in_row_chunks
 
 
 def _check(ok: bool, message: str) -> None:
@@ -45,15 +44,6 @@ def _init_linear_(weight: torch.Tensor, bias: torch.Tensor | None, fan_in: int) 
         weight.uniform_(-bound, bound)
         if bias is not None:
             bias.uniform_(-bound, bound)
-
-
-def _allowed(ctx: AttnContext, b: int, n: int, m: int, device: torch.device) -> torch.Tensor:
-    """[b,1,n,m] bool: causal pattern (queries aligned to the last n keys) AND key padding."""
-    allowed = (causal_mask(n, m, device) if ctx.causal
-               else torch.ones(n, m, dtype=torch.bool, device=device))[None, None]
-    if ctx.key_mask is not None:
-        allowed = allowed & ctx.key_mask.to(device=device, dtype=torch.bool)[:, None, None, :]
-    return allowed.expand(b, 1, n, m)
 
 
 def _dropout(p: torch.Tensor, ctx: AttnContext, training: bool) -> torch.Tensor:
@@ -122,7 +112,8 @@ class CamtlPrior(nn.Module):
     CA-MTL's other modules (conditional layer norm, adapters, alignment, MT-uncertainty
     sampling) are not part of this mechanism. Padding is masked (-inf) instead of the
     official additive -10000. ``need_weights`` returns the probabilities; ``ctx.dropout``
-    applies to them in training.
+    applies to them in training. Without ``need_weights`` the rows run in chunks under
+    activation checkpoints (``_rowchunks``): training keeps no [b, h, n, m] tensor.
     """
 
     example: ClassVar[str] = "camtl_prior(tasks=3, blocks=4, task_dim=8, task=1)"
@@ -177,16 +168,19 @@ class CamtlPrior(nn.Module):
                f"build it with tasks > {hi}")
         return ids.long()
 
-    def prior(self, task_ids: torch.Tensor, n: int, m: int) -> torch.Tensor:
-        """M(z)[:n, :m] for each example: task_ids [b] -> [b,n,m]."""
+    def prior(self, task_ids: torch.Tensor, n: int, m: int, first_row: int = 0
+              ) -> torch.Tensor:
+        """M(z)[:n, :m] for each example: task_ids [b] -> [b,n,m]; rows first_row ..
+        first_row + n - 1 of M (a chunk of query rows) with ``first_row``."""
         s = self.block
         z = self.task_embedding[task_ids]  # [b,e]
         gamma, beta = (z @ self.film_weight.T + self.film_bias).chunk(2, dim=-1)  # [b,s] x2
         dev = z.device
-        i, j = torch.arange(n, device=dev), torch.arange(m, device=dev)
+        i = torch.arange(first_row, first_row + n, device=dev)
+        j = torch.arange(m, device=dev)
         same = (i[:, None] // s) == (j[None, :] // s)  # [n,m] same diagonal block
         col = j % s  # [m] column inside the block
-        a = self.blocks_a[:n][:, col]  # [n,m] A[p, r mod s]
+        a = self.blocks_a[first_row:first_row + n][:, col]  # [n,m] A[p, r mod s]
         film = (1 + gamma[:, None, col]) * a[None] + beta[:, None, col]  # [b,n,m]
         return film * same  # [b,n,m]
 
@@ -199,12 +193,26 @@ class CamtlPrior(nn.Module):
         assert self.dims.max_len is not None
         _check_length("camtl_prior", m, self.dims.max_len, "positions")
         ids = self.task_ids(ctx, b, q.device)
-        bias = self.prior(ids, n, m).to(q.dtype)[:, None]  # [b,1,n,m]
-        out, probs = reference_attention(
-            q, k, v, bias=bias, key_mask=ctx.key_mask, causal=ctx.causal,
-            scale=ctx.scale_for(q.shape[-1]), dropout=ctx.dropout, training=self.training,
-        )  # [b,h,n,dv], [b,h,n,m]
-        return AttnOutput(out, probs if ctx.need_weights else None)
+        if ctx.need_weights:
+            out, probs = self._rows(q, k, v, ctx, ids, 0, n)
+            return AttnOutput(out, probs)
+        # the query rows in checkpointed chunks: training keeps no [b,h,n,m] (_rowchunks)
+        out = in_row_chunks(lambda r0, qc: self._rows(qc, k, v, ctx, ids, r0, n)[0], q, m,
+                            dropout=bool(self.training and ctx.dropout > 0))
+        return AttnOutput(out)
+
+    def _rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext,
+              ids: torch.Tensor, first_row: int, num_queries: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out [b,h,c,dv], probabilities [b,h,c,m]) of query rows first_row .. of
+        num_queries (q [b,h,c,d]: those rows; ids [b] the task ids)."""
+        b, h, c, _ = q.shape
+        m = k.shape[-2]
+        scores = (q @ k.transpose(-1, -2)) * ctx.scale_for(q.shape[-1])  # [b,h,c,m]
+        scores = scores + self.prior(ids, c, m, first_row).to(q.dtype)[:, None]  # + M
+        allowed = allowed_pairs(ctx, (b, h, c, m), q.device, first_row, num_queries)
+        probs = masked_softmax(scores, allowed)  # [b,h,c,m]
+        return _dropout(probs, ctx, self.training) @ v.to(probs.dtype), probs  # [b,h,c,dv]
 
 
 # -------------------------------------------------------------------------------- average
@@ -283,7 +291,7 @@ class Average(nn.Module):
     def averaging_weights(self, ctx: AttnContext, b: int, n: int,
                           device: torch.device) -> torch.Tensor:
         """W [b,1,n,n]: 1/|K_i| on the visible keys of row i, 0 elsewhere."""
-        allowed = _allowed(ctx, b, n, n, device).float()  # [b,1,n,n]
+        allowed = allowed_pairs(ctx, (b, 1, n, n), device).float()  # [b,1,n,n]
         return allowed / allowed.sum(-1, keepdim=True).clamp_min(1.0)
 
     @staticmethod
@@ -395,6 +403,8 @@ class Synthesizer(nn.Module):
     < L, i.e. repeated columns. The factorized dense form shares F's hidden layer between
     its two heads F_A, F_B. Random forms need n == m (rows index query positions).
     ``need_weights`` returns the probabilities; ``ctx.dropout`` applies to them in training.
+    Without ``need_weights`` the rows run in chunks under activation checkpoints
+    (``_rowchunks``): training keeps no [b, h, n, m] tensor.
     """
 
     example: ClassVar[str] = "synthesizer(kind='dense', factorized=True, a=8, mix=0.5)"
@@ -453,8 +463,9 @@ class Synthesizer(nn.Module):
             for t, std in zip(self._tables(), stds, strict=True):
                 t.normal_(0.0, std)
 
-    def synthesized(self, q: torch.Tensor, m: int) -> torch.Tensor:
-        """S[:n, :m]: [b,h,n,m] (dense) or [1,h,n,m] (random), for q [b,h,n,d]."""
+    def synthesized(self, q: torch.Tensor, m: int, first_row: int = 0) -> torch.Tensor:
+        """S[:n, :m]: [b,h,n,m] (dense) or [1,h,n,m] (random), for q [b,h,n,d]; for a chunk
+        of query rows, q holds rows first_row .. first_row + n - 1 (their rows of S)."""
         n = q.shape[-2]
         if self.cfg.kind == "dense":
             hid = torch.relu(q @ self.w1 + self.b1[:, None])  # [b,h,n,f]
@@ -466,9 +477,10 @@ class Synthesizer(nn.Module):
                 s = outs[0]  # [b,h,n,L]
             return s[..., :m]  # [b,h,n,m]
         tables = self._tables()
+        rows = slice(first_row, first_row + n)
         if self.cfg.factorized:
-            return (tables[0][:, :n] @ tables[1][:, :m].transpose(-1, -2))[None]  # [1,h,n,m]
-        return tables[0][None, :, :n, :m]  # [1,h,n,m]
+            return (tables[0][:, rows] @ tables[1][:, :m].transpose(-1, -2))[None]  # [1,h,n,m]
+        return tables[0][None, :, rows, :m]  # [1,h,n,m]
 
     def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
         check_qkv(q, k, v, self.dims)
@@ -479,13 +491,27 @@ class Synthesizer(nn.Module):
         if self.cfg.kind == "random":
             _check(n == m, f"synthesizer(kind='random') indexes one sequence's positions: "
                    f"got {n} queries and {m} keys; use it for self-attention")
+        if ctx.need_weights:
+            out, probs = self._rows(q, k, v, ctx, 0, n)
+            return AttnOutput(out, probs)
+        # the query rows in checkpointed chunks: training keeps no [b,h,n,m] (_rowchunks)
+        out = in_row_chunks(lambda r0, qc: self._rows(qc, k, v, ctx, r0, n)[0], q, m,
+                            dropout=bool(self.training and ctx.dropout > 0))
+        return AttnOutput(out)
+
+    def _rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext,
+              first_row: int, num_queries: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out [b,h,c,dv], probabilities [b,h,c,m]) of query rows first_row .. of
+        num_queries (q [b,h,c,d]: those rows)."""
+        b, h, c, _ = q.shape
+        m = k.shape[-2]
         alpha = (self.alpha.to(q.dtype)[None, :, None, None] if self.alpha is not None
                  else self.cfg.mix)  # [1,h,1,1] or a float
-        scores = alpha * self.synthesized(q, m).to(q.dtype)  # [b|1,h,n,m]
+        scores = alpha * self.synthesized(q, m, first_row).to(q.dtype)  # [b|1,h,c,m]
         if self.alpha is not None or self.cfg.mix < 1.0:
-            dot = (q @ k.transpose(-1, -2)) * ctx.scale_for(q.shape[-1])  # [b,h,n,m]
+            dot = (q @ k.transpose(-1, -2)) * ctx.scale_for(q.shape[-1])  # [b,h,c,m]
             scores = (1 - alpha) * dot + scores
-        scores = scores.expand(b, h, n, m)
-        probs = masked_softmax(scores, _allowed(ctx, b, n, m, q.device))  # [b,h,n,m]
-        out = _dropout(probs, ctx, self.training) @ v.to(probs.dtype)  # [b,h,n,dv]
-        return AttnOutput(out, probs if ctx.need_weights else None)
+        scores = scores.expand(b, h, c, m)
+        allowed = allowed_pairs(ctx, (b, 1, c, m), q.device, first_row, num_queries)
+        probs = masked_softmax(scores, allowed)  # [b,h,c,m]
+        return _dropout(probs, ctx, self.training) @ v.to(probs.dtype), probs  # [b,h,c,dv]

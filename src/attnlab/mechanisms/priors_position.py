@@ -35,8 +35,7 @@ from ..core import (
 )
 from ._gaussian_window import FAST_DTYPES, gaussian_window, window_lags
 from ._maskedsdpa import masked_sdpa
-from ._rowchunks import in_row_chunks
-from .priors import allowed_pairs
+from ._rowchunks import allowed_pairs, in_row_chunks
 
 FAMILY = "priors"
 
