@@ -18,7 +18,8 @@ CASES = [("gaussian_transformer(w_init=0.5, b_init=-0.5)", True), ("gaussian_pri
          ("talking_heads(init='random')", True),
          ("synthesizer(kind='dense', factorized=True, a=8, mix=0.5)", True),
          ("synthesizer(kind='random', mix=0.5)", False),
-         ("camtl_prior(tasks=3, blocks=4, task_dim=8, task=1)", False)]
+         ("camtl_prior(tasks=3, blocks=4, task_dim=8, task=1)", False),
+         ("disagreement", True), ("disagreement(terms=['output'])", True)]
 SPECS = [spec for spec, _ in CASES]
 
 
@@ -40,10 +41,14 @@ def _inputs(n: int, m: int, seed: int = 1):
     return q, k, v
 
 
-def _grads(mech, out, inputs):
+def _grads(mech, out, inputs, aux=None):
+    """Gradients of q, k, v and the parameters of sum(out * G) (+ the auxiliary loss)."""
     params = [p for p in mech.parameters() if p.requires_grad]
     g = torch.Generator().manual_seed(9)
-    return torch.autograd.grad(out, [*inputs, *params], torch.randn(out.shape, generator=g))
+    loss = (out * torch.randn(out.shape, generator=g)).sum()
+    if aux is not None:
+        loss = loss + aux
+    return torch.autograd.grad(loss, [*inputs, *params])
 
 
 @pytest.mark.parametrize("spec, unequal", CASES)
@@ -58,12 +63,15 @@ def test_chunks_equal_the_dense_form(monkeypatch, spec, unequal, causal, n, m):
     q, k, v = _inputs(n, m)
     key_mask = torch.arange(m)[None] < torch.tensor([m, m - 4, 5])[:, None]
     ctx = attnlab.AttnContext(key_mask=key_mask, causal=causal)
-    chunked = mech(q, k, v, ctx).out
+    chunked = mech(q, k, v, ctx)
     dense = mech(q, k, v, attnlab.AttnContext(key_mask=key_mask, causal=causal,
-                                              need_weights=True)).out
-    torch.testing.assert_close(chunked, dense, **TOL)
-    for a, r in zip(_grads(mech, chunked, (q, k, v)), _grads(mech, dense, (q, k, v)),
-                    strict=True):
+                                              need_weights=True))
+    torch.testing.assert_close(chunked.out, dense.out, **TOL)
+    assert (chunked.aux_loss is None) == (dense.aux_loss is None)
+    if dense.aux_loss is not None:  # disagreement's -D, its position term from the chunks
+        torch.testing.assert_close(chunked.aux_loss, dense.aux_loss, **TOL)
+    for a, r in zip(_grads(mech, chunked.out, (q, k, v), chunked.aux_loss),
+                    _grads(mech, dense.out, (q, k, v), dense.aux_loss), strict=True):
         torch.testing.assert_close(a, r, **TOL)
 
 

@@ -2,7 +2,8 @@
 for mechanisms that build their scores explicitly ([b, h, n, m]: a learned or
 query-dependent term on every score) and whose query rows are independent given k, v and
 the parameters: ``gaussian_prior``, ``gaussian_transformer``, ``talking_heads`` (its head
-mixes act per (query, key) pair), ``synthesizer`` and ``camtl_prior``. Also the one home
+mixes act per (query, key) pair), ``synthesizer``, ``camtl_prior`` and ``disagreement``
+(each chunk also returns its share of the loss). Also the one home
 of ``allowed_pairs``, the visibility mask (padding, causality) of such scores.
 
 Why: the dense form keeps, for the backward, the scores, the biased scores, the softmax
@@ -22,6 +23,7 @@ Shapes: b batch, h heads, n query rows, m keys, c rows of a chunk, dv value head
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -59,24 +61,30 @@ def rows_per_chunk(b: int, h: int, m: int) -> int:
     return max(1, CHUNK_ELEMS // max(1, b * h * m))
 
 
-def in_row_chunks(rows: Callable[[int, torch.Tensor], torch.Tensor], q: torch.Tensor, m: int,
-                  *, dropout: bool) -> torch.Tensor:
+def in_row_chunks(rows: Callable[[int, torch.Tensor], Any], q: torch.Tensor, m: int,
+                  *, dropout: bool) -> Any:
     """The output [b, h, n, dv] of ``rows(r0, q_rows)`` -> [b, h, c, dv], the attention of
     query rows r0 .. r0 + c - 1 (q_rows = q[:, :, r0:r0 + c], q [b, h, n, d]) over the m
-    keys, run chunk by chunk (under checkpoints when gradients are on). ``dropout``: the
-    rows draw random numbers (attention dropout in training), so the checkpoints keep the
-    RNG state for the recomputation."""
+    keys, run chunk by chunk (under checkpoints when gradients are on). ``rows`` may also
+    return a tuple (out, *partials): then the result is (out, *sums), each partial summed
+    over the chunks (a per-row quantity reduced over the rows, e.g. a loss term).
+    ``dropout``: the rows draw random numbers (attention dropout in training), so the
+    checkpoints keep the RNG state for the recomputation."""
     b, h, n = q.shape[0], q.shape[1], q.shape[2]
     c = rows_per_chunk(b, h, m)
     if c >= n:
         return rows(0, q)
     grad = torch.is_grad_enabled()
-    outs = []
+    parts = []
     for r0 in range(0, n, c):
         qc = q[:, :, r0:r0 + c]  # [b,h,c,d]
         if grad:
-            outs.append(checkpoint(rows, r0, qc, use_reentrant=False,
-                                   preserve_rng_state=dropout))
+            parts.append(checkpoint(rows, r0, qc, use_reentrant=False,
+                                    preserve_rng_state=dropout))
         else:
-            outs.append(rows(r0, qc))
-    return torch.cat(outs, dim=2)  # [b,h,n,dv]
+            parts.append(rows(r0, qc))
+    if isinstance(parts[0], torch.Tensor):
+        return torch.cat(parts, dim=2)  # [b,h,n,dv]
+    out = torch.cat([p[0] for p in parts], dim=2)  # [b,h,n,dv]
+    sums = [sum(p[i] for p in parts[1:]) + parts[0][i] for i in range(1, len(parts[0]))]
+    return (out, *sums)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..core import (
@@ -23,10 +24,12 @@ from ..core import (
     HeadDims,
     MechanismConfig,
     check_qkv,
+    masked_softmax,
     reference_attention,
     register_mechanism,
 )
 from ..core.masks import positions
+from ._rowchunks import allowed_pairs, in_row_chunks
 
 FAMILY = "heads"
 EPS = 1e-12  # floor of the norms in the cosine similarities (all-padding examples -> 0)
@@ -111,6 +114,9 @@ class Disagreement(nn.Module):
     to an NMT Transformer's encoder, decoder and cross attention; here it regularises the
     encoder layers a plan puts it on. Not ``exact`` (its forward must run to give the loss),
     so on a local (sliding-window) layer of a fused host the window is not applied.
+    Memory: without ``need_weights`` the rows run in chunks under activation checkpoints
+    (``_rowchunks``), each giving its rows' share of D_position, so training keeps no
+    [b, h, n, m] tensor.
     """
 
     example: ClassVar[str] = "disagreement"
@@ -123,19 +129,25 @@ class Disagreement(nn.Module):
         super().__init__()
         self.cfg, self.dims = cfg, dims
 
-    def disagreement_loss(self, v: torch.Tensor, probs: torch.Tensor, out: torch.Tensor,
-                          key_mask: torch.Tensor | None) -> torch.Tensor:
-        """-D (unweighted): v [b,h,m,dv], probs [b,h,n,m], out [b,h,n,dv] -> scalar."""
-        n, m = probs.shape[-2:]
-        h = probs.shape[1]
+    def disagreement_loss(self, v: torch.Tensor, probs: torch.Tensor | None,
+                          out: torch.Tensor, key_mask: torch.Tensor | None,
+                          position: torch.Tensor | None = None) -> torch.Tensor:
+        """-D (unweighted): v [b,h,m,dv], probs [b,h,n,m], out [b,h,n,dv] -> scalar.
+        ``position``: the position term per example [b] (sum over the query rows of
+        (sum_i A^i)^2 / H^2), given instead of probs by the chunked forward."""
+        n, m = out.shape[-2], v.shape[-2]
         rows = query_rows(key_mask, n, m)  # [b,n] or None
-        total = probs.new_zeros((), dtype=torch.float32)
+        total = out.new_zeros((), dtype=torch.float32)
         for term in self.cfg.terms:
             if term == "subspace":
                 total = total + _mean_cosine(v, key_mask)
             elif term == "output":
                 total = total + _mean_cosine(out, rows)
+            elif position is not None:  # the chunked forward's sums
+                total = total + position.mean()
             else:  # position: sum_ij sum_{q,k} A^i A^j = sum_{q,k} (sum_i A^i)^2
+                assert probs is not None
+                h = probs.shape[1]
                 s = probs.float().sum(1)  # [b,n,m]; padded keys have A = 0
                 if rows is not None:
                     s = s * rows[:, :, None]
@@ -144,9 +156,35 @@ class Disagreement(nn.Module):
 
     def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
         check_qkv(q, k, v, self.dims)
-        out, probs = dense_with_probs(q, k, v, ctx, self.training)  # [b,h,n,dv], [b,h,n,m]
-        aux = self.cfg.weight * self.disagreement_loss(v, probs, out, ctx.key_mask)
-        return AttnOutput(out, probs if ctx.need_weights else None, aux.to(out.dtype))
+        if ctx.need_weights:
+            out, probs = dense_with_probs(q, k, v, ctx, self.training)  # [b,h,n,dv], [b,h,n,m]
+            aux = self.cfg.weight * self.disagreement_loss(v, probs, out, ctx.key_mask)
+            return AttnOutput(out, probs, aux.to(out.dtype))
+        # the query rows in checkpointed chunks (_rowchunks): training keeps no [b,h,n,m];
+        # each chunk also gives its rows' share of the position term, sum (sum_i A^i)^2 [b]
+        n, m = q.shape[-2], k.shape[-2]
+        keep = query_rows(ctx.key_mask, n, m)  # [b,n] or None
+        position = "position" in self.cfg.terms
+
+        def rows(r0: int, qc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            c = qc.shape[-2]
+            scores = (qc @ k.transpose(-1, -2)) * ctx.scale_for(qc.shape[-1])  # [b,h,c,m]
+            allowed = allowed_pairs(ctx, scores.shape, qc.device, r0, n)
+            probs = masked_softmax(scores, allowed)  # [b,h,c,m]
+            p = (F.dropout(probs, ctx.dropout, training=True)
+                 if self.training and ctx.dropout > 0 else probs)
+            out = p @ v.to(p.dtype)  # [b,h,c,dv]
+            if not position:
+                return out, out.new_zeros(())
+            s = probs.float().sum(1)  # [b,c,m]; padded keys have A = 0
+            if keep is not None:
+                s = s * keep[:, r0:r0 + c, None]
+            return out, s.square().sum(dim=(1, 2))  # [b]
+
+        out, pos = in_row_chunks(rows, q, m, dropout=bool(self.training and ctx.dropout > 0))
+        h = q.shape[1]
+        aux = self.disagreement_loss(v, None, out, ctx.key_mask, position=pos / h**2)
+        return AttnOutput(out, None, (self.cfg.weight * aux).to(out.dtype))
 
 
 # ----------------------------------------------------------------------------- pattern loss
