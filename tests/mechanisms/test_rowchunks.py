@@ -19,7 +19,10 @@ CASES = [("gaussian_transformer(w_init=0.5, b_init=-0.5)", True), ("gaussian_pri
          ("synthesizer(kind='dense', factorized=True, a=8, mix=0.5)", True),
          ("synthesizer(kind='random', mix=0.5)", False),
          ("camtl_prior(tasks=3, blocks=4, task_dim=8, task=1)", False),
-         ("disagreement", True), ("disagreement(terms=['output'])", True)]
+         ("disagreement", True), ("disagreement(terms=['output'])", True),
+         ("pattern_loss(patterns=['prev', 'bow'])", True),
+         ("pattern_loss(patterns=['next', 'first'])", True),
+         ("pattern_loss(patterns=['none'])", True)]
 SPECS = [spec for spec, _ in CASES]
 
 

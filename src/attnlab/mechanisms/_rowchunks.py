@@ -2,8 +2,8 @@
 for mechanisms that build their scores explicitly ([b, h, n, m]: a learned or
 query-dependent term on every score) and whose query rows are independent given k, v and
 the parameters: ``gaussian_prior``, ``gaussian_transformer``, ``talking_heads`` (its head
-mixes act per (query, key) pair), ``synthesizer``, ``camtl_prior`` and ``disagreement``
-(each chunk also returns its share of the loss). Also the one home
+mixes act per (query, key) pair), ``synthesizer``, ``camtl_prior``, ``disagreement`` and
+``pattern_loss`` (each chunk also returns its share of the loss). Also the one home
 of ``allowed_pairs``, the visibility mask (padding, causality) of such scores.
 
 Why: the dense form keeps, for the backward, the scores, the biased scores, the softmax

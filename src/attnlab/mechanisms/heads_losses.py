@@ -55,6 +55,18 @@ def dense_with_probs(q, k, v, ctx: AttnContext, training: bool):
                                scale=ctx.scale_for(q.shape[-1]), dropout=p, training=training)
 
 
+def _dense_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext,
+                training: bool, first_row: int, num_queries: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dense_with_probs`` for query rows first_row .. of num_queries (q [b,h,c,d]: those
+    rows): (out [b,h,c,dv], probs [b,h,c,m] before dropout)."""
+    scores = (q @ k.transpose(-1, -2)) * ctx.scale_for(q.shape[-1])  # [b,h,c,m]
+    probs = masked_softmax(scores, allowed_pairs(ctx, scores.shape, q.device, first_row,
+                                                 num_queries))  # [b,h,c,m]
+    p = F.dropout(probs, ctx.dropout, training=True) if training and ctx.dropout > 0 else probs
+    return p @ v.to(p.dtype), probs  # [b,h,c,dv]
+
+
 # ----------------------------------------------------------------------------- disagreement
 
 Term = Literal["subspace", "position", "output"]
@@ -168,12 +180,7 @@ class Disagreement(nn.Module):
 
         def rows(r0: int, qc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             c = qc.shape[-2]
-            scores = (qc @ k.transpose(-1, -2)) * ctx.scale_for(qc.shape[-1])  # [b,h,c,m]
-            allowed = allowed_pairs(ctx, scores.shape, qc.device, r0, n)
-            probs = masked_softmax(scores, allowed)  # [b,h,c,m]
-            p = (F.dropout(probs, ctx.dropout, training=True)
-                 if self.training and ctx.dropout > 0 else probs)
-            out = p @ v.to(p.dtype)  # [b,h,c,dv]
+            out, probs = _dense_rows(qc, k, v, ctx, self.training, r0, n)
             if not position:
                 return out, out.new_zeros(())
             s = probs.float().sum(1)  # [b,c,m]; padded keys have A = 0
@@ -206,12 +213,14 @@ class PatternLossConfig(MechanismConfig):
         _check(self.weight >= 0, f"pattern_loss weight must be >= 0, got {self.weight}")
 
 
-def pattern_target(pattern: str, allowed: torch.Tensor) -> torch.Tensor:
+def pattern_target(pattern: str, allowed: torch.Tensor, first_row: int = 0) -> torch.Tensor:
     """Target map P [b,n,m] of ``pattern`` where ``allowed`` [b,n,m] bool says which keys a
     query may see: 1 on the pattern's key (prev j = i-1, next j = i+1, first j = 0, self
-    j = i; 0 when that key is not allowed), or uniform over the allowed keys (bow)."""
+    j = i; 0 when that key is not allowed), or uniform over the allowed keys (bow). The n
+    rows are queries first_row .. first_row + n - 1 (a chunk of rows)."""
     n, m = allowed.shape[-2:]
     i, j = positions(n, m, allowed.device)  # [n,1], [1,m]
+    i = i + first_row
     if pattern == "bow":
         a = allowed.to(torch.float32)
         return a / a.sum(-1, keepdim=True).clamp_min(1.0)
@@ -237,6 +246,9 @@ class PatternLoss(nn.Module):
     all-zero target (as the official next/prev targets' first/last rows). Head i of the
     mechanism's heads gets ``patterns[i % len(patterns)]``; "none" leaves a head unguided.
     The attention is dense softmax (``out`` equals ``softmax``'s). Complexity O(n*m).
+    Memory: without ``need_weights`` the rows run in chunks under activation checkpoints
+    (``_rowchunks``), each giving its rows' share of the loss: training keeps no
+    [b, h, n, m] tensor.
     Deviations: token patterns ([SEP], period) need token ids, which attention mechanisms do
     not receive, so they are not offered; the official code ignores padding and decays the
     weight linearly after 20k steps (no schedule here: set ``weight``); it guides the first
@@ -260,35 +272,53 @@ class PatternLoss(nn.Module):
                                    for i in range(dims.num_heads))
 
     def guidance_loss(self, probs: torch.Tensor, key_mask: torch.Tensor | None,
-                      causal: bool) -> torch.Tensor | None:
-        """sum_p L_p (unweighted) from probs [b,h,n,m]; None when no head is guided."""
-        b, _, n, m = probs.shape
-        allowed = torch.ones(b, n, m, dtype=torch.bool, device=probs.device)  # [b,n,m]
+                      causal: bool, first_row: int = 0, num_queries: int | None = None
+                      ) -> torch.Tensor | None:
+        """sum_p L_p (unweighted) from probs [b,h,n,m]; None when no head is guided. For a
+        chunk of query rows, probs [b,h,c,m] holds rows first_row .. of ``num_queries``,
+        and the result is their share of the sum (the denominators count every row)."""
+        b, _, c, m = probs.shape
+        n = c if num_queries is None else num_queries
+        allowed = torch.ones(b, c, m, dtype=torch.bool, device=probs.device)  # [b,c,m]
         if causal:  # raw positions, as the patterns: key j <= query i
-            i, j = positions(n, m, probs.device)
-            allowed = allowed & (j <= i)
+            i, j = positions(c, m, probs.device)
+            allowed = allowed & (j <= i + first_row)
         keys = torch.ones(b, m, dtype=torch.bool, device=probs.device)
         if key_mask is not None:
             keys = key_mask.to(torch.bool)
             allowed = allowed & keys[:, None, :]
         rows = query_rows(key_mask, n, m)
         rows = torch.ones(b, n, dtype=torch.bool, device=probs.device) if rows is None else rows
-        entries = rows[:, :, None] & keys[:, None, :]  # [b,n,m] entries that count
-        count = entries.sum().clamp_min(1)
+        count = (rows.sum(-1) * keys.sum(-1)).sum().clamp_min(1)  # sum_b |Q_b| |K_b|
+        entries = rows[:, first_row:first_row + c, None] & keys[:, None, :]  # [b,c,m] counted
         total = None
         for pat in dict.fromkeys(self.head_patterns):
             if pat == "none":
                 continue
             heads = [i for i, p in enumerate(self.head_patterns) if p == pat]
-            target = pattern_target(pat, allowed)  # [b,n,m]
-            diff = (probs[:, heads].float() - target[:, None]) * entries[:, None]  # [b,k,n,m]
+            target = pattern_target(pat, allowed, first_row)  # [b,c,m]
+            diff = (probs[:, heads].float() - target[:, None]) * entries[:, None]  # [b,k,c,m]
             term = diff.square().sum() / (count * len(heads))
             total = term if total is None else total + term
         return total
 
     def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
         check_qkv(q, k, v, self.dims)
-        out, probs = dense_with_probs(q, k, v, ctx, self.training)  # [b,h,n,dv], [b,h,n,m]
-        loss = self.guidance_loss(probs, ctx.key_mask, ctx.causal)
-        aux = None if loss is None else (self.cfg.weight * loss).to(out.dtype)
-        return AttnOutput(out, probs if ctx.need_weights else None, aux)
+        if ctx.need_weights:
+            out, probs = dense_with_probs(q, k, v, ctx, self.training)  # [b,h,n,dv], [b,h,n,m]
+            loss = self.guidance_loss(probs, ctx.key_mask, ctx.causal)
+            aux = None if loss is None else (self.cfg.weight * loss).to(out.dtype)
+            return AttnOutput(out, probs, aux)
+        # the query rows in checkpointed chunks (_rowchunks): training keeps no [b,h,n,m];
+        # each chunk also gives its rows' share of the guidance loss
+        n, m = q.shape[-2], k.shape[-2]
+        guided = any(p != "none" for p in self.head_patterns)
+
+        def rows(r0: int, qc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            out, probs = _dense_rows(qc, k, v, ctx, self.training, r0, n)
+            loss = self.guidance_loss(probs, ctx.key_mask, ctx.causal, r0, n)
+            return out, out.new_zeros((), dtype=torch.float32) if loss is None else loss
+
+        out, loss = in_row_chunks(rows, q, m, dropout=bool(self.training and ctx.dropout > 0))
+        aux = (self.cfg.weight * loss).to(out.dtype) if guided else None
+        return AttnOutput(out, None, aux)
