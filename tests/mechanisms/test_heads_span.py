@@ -314,6 +314,42 @@ def test_band_path_in_chunks_equals_the_dense_path_with_gradients(lengths, causa
     assert n > 2 * 64 and (grads[0][4] != 0).any()  # three chunks; the span learns
 
 
+def test_band_chunks_are_recomputed_with_their_dropout_masks(monkeypatch):
+    """The band path's chunks run under checkpoints: with attention dropout the backward
+    equals that of the same chunks without checkpoints (same seed, same masks), and
+    autograd keeps no chunk's scores (under half of the [b,h,n,c+2w] scores; without the
+    checkpoints it keeps over twice as much)."""
+    from attnlab.mechanisms import heads_span
+
+    n = 150
+    mech = span_mech([0.0, 0.2, 0.45, 0.31])  # L = 12: chunks of 64 queries, 86 key slots
+    span, scale = mech.current_max_span(), D**-0.5
+    ctx = attnlab.AttnContext()
+    results = []
+    for plain in (False, True):
+        if plain:
+            monkeypatch.setattr(heads_span, "checkpoint", lambda fn, *a, **kw: fn(*a))
+        q, k, v = (torch.randn(B, H, n, D, generator=torch.Generator().manual_seed(i))
+                   .requires_grad_() for i in range(3))
+        mech.current_val.grad = None
+        torch.manual_seed(3)
+        seen: dict[int, int] = {}
+
+        def pack(t, seen=seen):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = mech._band(q, k, v, ctx, span, scale, 0.3)
+        out.sum().backward()
+        results.append((out.detach(), q.grad, k.grad, v.grad, mech.current_val.grad.clone(),
+                        sum(seen.values())))
+    for a, b in zip(results[0][:5], results[1][:5], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    scores = B * H * n * (64 + 2 * (span - 1)) * 4  # bytes of every chunk's scores
+    assert results[0][5] < scores / 2 and results[1][5] > 2 * scores
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_span_at_least_n_equals_softmax(causal):
     """Degenerate case: z >= n (S = 64 >= n, current_val = 1) -> every mask value is 1."""
