@@ -110,17 +110,24 @@ def test_one_chunk_equals_dense_shared_qk_softmax_with_self_mask(spec):
     (4, 4, 1, True, 16), (4, 3, 2, True, 13), (8, 2, 3, True, 11), (2, 5, 2, False, 13),
     (4, 4, 4, False, 7), (1, 3, 2, True, 10), (6, 4, 2, True, 2),
 ])
-def test_matches_naive_reference(buckets, chunk, rounds, wrap, n):
+@pytest.mark.parametrize("weights", [True, False])
+def test_matches_naive_reference(buckets, chunk, rounds, wrap, n, weights):
+    """Outputs, weights and gradients against the loops; without weights the attention
+    runs under a checkpoint (recomputed in the backward)."""
     spec = f"lsh(buckets={buckets}, chunk={chunk}, num_hashes={rounds}, wrap={wrap}, seed=5)"
     mech = attnlab.build_mechanism(spec, attnlab.HeadDims(2, D, 64)).eval()
     q, v = qv(n=n, seed=n + buckets)
     q.requires_grad_()
     v.requires_grad_()
     key_mask = lengths_mask(n, [n, max(1, n - 4), 0])
-    ctx = attnlab.AttnContext(key_mask=key_mask, layer_idx=2, need_weights=True)
+    ctx = attnlab.AttnContext(key_mask=key_mask, layer_idx=2, need_weights=weights)
     res = mech(q, torch.zeros_like(q), v, ctx)
     ref, ref_probs = naive_lsh(q, v, mech.rotations(2), buckets, chunk, key_mask, wrap)
     torch.testing.assert_close(res.out, ref, atol=1e-5, rtol=1e-5)
+    if not weights:
+        assert res.probs is None
+        res = mech(q, torch.zeros_like(q), v, attnlab.AttnContext(
+            key_mask=key_mask, layer_idx=2, need_weights=True))  # for the checks below
     torch.testing.assert_close(res.probs, ref_probs, atol=1e-5, rtol=1e-5)
     g = torch.randn_like(ref)
     grads = torch.autograd.grad(res.out, (q, v), g)
@@ -130,6 +137,39 @@ def test_matches_naive_reference(buckets, chunk, rounds, wrap, n):
     # padded keys are never attended; the fully padded sequence gives zeros
     assert (res.probs[1][..., max(1, n - 4):] == 0).all()
     assert (res.out[2] == 0).all() and (res.probs[2] == 0).all()
+
+
+def test_training_recomputes_the_rounds_with_their_dropout_masks(monkeypatch):
+    """Without weights the attention runs under a checkpoint: with attention dropout the
+    gradients equal those of the same call without it (same seed, so the same masks), and
+    autograd keeps less than the window scores [b, h, r, n, 2C]."""
+    from attnlab.mechanisms import content
+
+    n, rounds, chunk = 64, 2, 8
+    mech = attnlab.build_mechanism(f"lsh(buckets=4, chunk={chunk}, num_hashes={rounds})",
+                                   attnlab.HeadDims(2, D, 64)).train()
+    results = []
+    for plain in (False, True):
+        if plain:
+            monkeypatch.setattr(content, "checkpoint", lambda fn, *a, **kw: fn(*a))
+        q, v = qv(n=n, seed=3)
+        q.requires_grad_()
+        v.requires_grad_()
+        seen: dict[int, int] = {}
+
+        def pack(t, seen=seen):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        torch.manual_seed(4)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = mech(q, torch.zeros_like(q), v, attnlab.AttnContext(dropout=0.3)).out
+        out.sum().backward()
+        results.append((out.detach(), q.grad, v.grad, sum(seen.values())))
+    for a, b in zip(results[0][:3], results[1][:3], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    scores = q.shape[0] * 2 * rounds * n * 2 * chunk * 4  # bytes of the window scores
+    assert results[0][3] < scores < results[1][3]
 
 
 def test_pattern_is_sparse_and_rounds_differ():
