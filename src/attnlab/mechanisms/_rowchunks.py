@@ -86,5 +86,5 @@ def in_row_chunks(rows: Callable[[int, torch.Tensor], Any], q: torch.Tensor, m: 
     if isinstance(parts[0], torch.Tensor):
         return torch.cat(parts, dim=2)  # [b,h,n,dv]
     out = torch.cat([p[0] for p in parts], dim=2)  # [b,h,n,dv]
-    sums = [sum(p[i] for p in parts[1:]) + parts[0][i] for i in range(1, len(parts[0]))]
+    sums = [torch.stack([p[i] for p in parts]).sum(0) for i in range(1, len(parts[0]))]
     return (out, *sums)
