@@ -11,6 +11,7 @@ import torch
 
 import attnlab
 from attnlab.mechanisms import _rowchunks
+from attnlab.mechanisms.priors import REALFORMER_STATE_KEY, ResidualScores
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 # (spec, whether it takes n != m)
@@ -118,3 +119,49 @@ def test_training_keeps_less_than_one_score_tensor(spec):
     assert sum(seen.values()) < one_scores / 2
     out.sum().backward()
     assert torch.isfinite(q.grad).all()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_realformer_chunks_pass_the_same_scores_up(monkeypatch, causal):
+    """Two realformer layers: the chunked form passes the same S_l up (through ctx.state)
+    and gives the same outputs and gradients as the dense form; of the [b, h, n, m]
+    tensors the second layer keeps little more than the S_l it passes up."""
+    monkeypatch.setattr(_rowchunks, "CHUNK_ELEMS", 3 * 2 * 3 * 13)
+    layers = [attnlab.build_mechanism("realformer", attnlab.HeadDims(2, 8, 64)).train()
+              for _ in range(2)]
+    key_mask = torch.arange(13)[None] < torch.tensor([13, 9, 5])[:, None]
+    results = []
+    for weights in (False, True):
+        q, k, v = _inputs(13, 13)
+        state: dict = {}
+        out = q
+        for i, layer in enumerate(layers):
+            ctx = attnlab.AttnContext(key_mask=key_mask, causal=causal, layer_idx=i,
+                                      state=state, need_weights=weights)
+            out = layer(out, k, v, ctx).out
+        scores = state[REALFORMER_STATE_KEY].scores
+        g = torch.Generator().manual_seed(9)
+        loss = (out * torch.randn(out.shape, generator=g)).sum() + scores.square().sum()
+        results.append((out, scores, *torch.autograd.grad(loss, (q, k, v))))
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, **TOL)
+
+
+def test_realformer_keeps_the_scores_it_passes_up_and_no_more():
+    """A second realformer layer in training keeps S_{l-1} (its input) and under half of
+    one more [b, h, n, m]; the dense form keeps several."""
+    n = 1024
+    layer = attnlab.build_mechanism("realformer", attnlab.HeadDims(2, 8, n)).train()
+    q, k, v = _inputs(n, n)
+    prev = torch.randn(3, 2, n, n, requires_grad=True)
+    state = {REALFORMER_STATE_KEY: ResidualScores(prev, 0)}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(q, k, v, attnlab.AttnContext(layer_idx=1, state=state))
+    one_scores = 3 * 2 * n * n * 4
+    assert sum(seen.values()) < 1.5 * one_scores  # prev (an input) and a little more

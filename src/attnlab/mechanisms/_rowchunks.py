@@ -3,7 +3,8 @@ for mechanisms that build their scores explicitly ([b, h, n, m]: a learned or
 query-dependent term on every score) and whose query rows are independent given k, v and
 the parameters: ``gaussian_prior``, ``gaussian_transformer``, ``talking_heads`` (its head
 mixes act per (query, key) pair), ``synthesizer``, ``camtl_prior``, ``disagreement`` and
-``pattern_loss`` (each chunk also returns its share of the loss). Also the one home
+``pattern_loss`` (each chunk also returns its share of the loss), and ``realformer`` (its
+chunks also return their rows of the scores the next layer adds). Also the one home
 of ``allowed_pairs``, the visibility mask (padding, causality) of such scores.
 
 Why: the dense form keeps, for the backward, the scores, the biased scores, the softmax
@@ -22,7 +23,7 @@ Shapes: b batch, h heads, n query rows, m keys, c rows of a chunk, dv value head
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -61,30 +62,41 @@ def rows_per_chunk(b: int, h: int, m: int) -> int:
     return max(1, CHUNK_ELEMS // max(1, b * h * m))
 
 
-def in_row_chunks(rows: Callable[[int, torch.Tensor], Any], q: torch.Tensor, m: int,
-                  *, dropout: bool) -> Any:
-    """The output [b, h, n, dv] of ``rows(r0, q_rows)`` -> [b, h, c, dv], the attention of
-    query rows r0 .. r0 + c - 1 (q_rows = q[:, :, r0:r0 + c], q [b, h, n, d]) over the m
-    keys, run chunk by chunk (under checkpoints when gradients are on). ``rows`` may also
-    return a tuple (out, *partials): then the result is (out, *sums), each partial summed
-    over the chunks (a per-row quantity reduced over the rows, e.g. a loss term).
-    ``dropout``: the rows draw random numbers (attention dropout in training), so the
-    checkpoints keep the RNG state for the recomputation."""
+def in_row_chunks(rows: Callable[..., Any], q: torch.Tensor, m: int, *, dropout: bool,
+                  row_inputs: Sequence[torch.Tensor | None] = (),
+                  concat_extras: bool = False) -> Any:
+    """The output [b, h, n, dv] of ``rows(r0, q_rows, *row_inputs_rows)`` -> [b, h, c, dv],
+    the attention of query rows r0 .. r0 + c - 1 (q_rows = q[:, :, r0:r0 + c], q
+    [b, h, n, d]) over the m keys, run chunk by chunk (under checkpoints when gradients are
+    on). ``row_inputs``: further [b, h, n, ...] tensors cut into the same rows (None stays
+    None). The cuts are one ``split`` per tensor, whose backward writes each gradient
+    once (slicing per chunk would add a full-size zero gradient per chunk).
+    ``rows`` may also return a tuple (out, *extras): then the result is (out, *extras),
+    each extra summed over the chunks (a per-row quantity reduced over the rows, e.g. a
+    loss term), or with ``concat_extras`` concatenated along dim 2 like the output
+    (per-row tensors such as realformer's scores). ``dropout``: the rows draw random
+    numbers (attention dropout in training), so the checkpoints keep the RNG state for
+    the recomputation."""
     b, h, n = q.shape[0], q.shape[1], q.shape[2]
     c = rows_per_chunk(b, h, m)
     if c >= n:
-        return rows(0, q)
+        return rows(0, q, *row_inputs)
     grad = torch.is_grad_enabled()
+    cuts = [q.split(c, dim=2)] + [(None,) * len(range(0, n, c)) if x is None
+                                  else x.split(c, dim=2) for x in row_inputs]
     parts = []
-    for r0 in range(0, n, c):
-        qc = q[:, :, r0:r0 + c]  # [b,h,c,d]
+    for i, r0 in enumerate(range(0, n, c)):
+        args = [cut[i] for cut in cuts]  # q_rows [b,h,c,d], then the row inputs' rows
         if grad:
-            parts.append(checkpoint(rows, r0, qc, use_reentrant=False,
+            parts.append(checkpoint(rows, r0, *args, use_reentrant=False,
                                     preserve_rng_state=dropout))
         else:
-            parts.append(rows(r0, qc))
+            parts.append(rows(r0, *args))
     if isinstance(parts[0], torch.Tensor):
         return torch.cat(parts, dim=2)  # [b,h,n,dv]
     out = torch.cat([p[0] for p in parts], dim=2)  # [b,h,n,dv]
-    sums = [torch.stack([p[i] for p in parts]).sum(0) for i in range(1, len(parts[0]))]
-    return (out, *sums)
+    if concat_extras:
+        extras = [torch.cat([p[i] for p in parts], dim=2) for i in range(1, len(parts[0]))]
+    else:
+        extras = [torch.stack([p[i] for p in parts]).sum(0) for i in range(1, len(parts[0]))]
+    return (out, *extras)

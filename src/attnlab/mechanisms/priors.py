@@ -32,7 +32,7 @@ from ..core import (
     masked_softmax,
     register_mechanism,
 )
-from ._rowchunks import allowed_pairs
+from ._rowchunks import allowed_pairs, in_row_chunks
 
 # Key of the residual-score entry in ``AttnContext.state``; the value is a ResidualScores.
 REALFORMER_STATE_KEY = "realformer.scores"
@@ -103,7 +103,9 @@ class RealFormer(nn.Module):
     is the previous realformer layer's pre-softmax score (itself residual). The first
     realformer layer of a forward pass (no entry in ``ctx.state``, or ``state`` None) is
     plain softmax attention. Complexity O(n*m) time and memory (scores are materialised:
-    the next layer needs them).
+    the next layer needs them). Without ``need_weights`` the rows run in chunks under
+    activation checkpoints (``_rowchunks``), so training keeps S_l (which the next layer
+    reads) and none of the softmax's [b, h, n, m] tensors.
     Cross-layer state: the raw, un-masked (finite) S_l is stored in
     ``ctx.state["realformer.scores"]`` with the layer index; the next layer checks that
     the shape matches and raises a clear error otherwise. Masks (padding, causal) are
@@ -125,15 +127,32 @@ class RealFormer(nn.Module):
         super().__init__()
         self.cfg, self.dims = cfg, dims
 
-    def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
-        check_qkv(q, k, v, self.dims)
-        scores = (q @ k.transpose(-1, -2)) * ctx.scale_for(q.shape[-1])  # [b,h,n,m]
-        prev = previous_scores(ctx.state, ctx.layer_idx, scores.shape)
+    def _rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext,
+              prev: torch.Tensor | None, first_row: int, num_queries: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(out [b,h,c,dv], S_l [b,h,c,m], probabilities [b,h,c,m]) of query rows first_row
+        .. of num_queries (q [b,h,c,d]: those rows; prev: their rows of S_{l-1} or None)."""
+        scores = (q @ k.transpose(-1, -2)) * ctx.scale_for(q.shape[-1])  # [b,h,c,m]
         if prev is not None:
             scores = scores + prev.to(scores.dtype)
+        allowed = allowed_pairs(ctx, scores.shape, q.device, first_row, num_queries)
+        probs = masked_softmax(scores, allowed)  # [b,h,c,m]
+        p = F.dropout(probs, ctx.dropout, training=True) if self.training and ctx.dropout else probs
+        return p @ v.to(p.dtype), scores, probs  # [b,h,c,dv]
+
+    def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
+        check_qkv(q, k, v, self.dims)
+        n, m = q.shape[-2], k.shape[-2]
+        prev = previous_scores(ctx.state, ctx.layer_idx, torch.Size((*q.shape[:2], n, m)))
+        if ctx.need_weights:
+            out, scores, probs = self._rows(q, k, v, ctx, prev, 0, n)
+        else:  # query rows in checkpointed chunks (_rowchunks): of the [b,h,n,m] tensors
+            # training keeps only S_l, which the next layer reads anyway
+            probs = None
+            out, scores = in_row_chunks(
+                lambda r0, qc, pc: self._rows(qc, k, v, ctx, pc, r0, n)[:2], q, m,
+                dropout=bool(self.training and ctx.dropout), row_inputs=(prev,),
+                concat_extras=True)
         if ctx.state is not None:
             ctx.state[REALFORMER_STATE_KEY] = ResidualScores(scores, ctx.layer_idx)
-        probs = masked_softmax(scores, allowed_pairs(ctx, scores.shape, q.device))  # [b,h,n,m]
-        p = F.dropout(probs, ctx.dropout, training=True) if self.training and ctx.dropout else probs
-        out = p @ v.to(p.dtype)  # [b,h,n,dv]
-        return AttnOutput(out, probs if ctx.need_weights else None)
+        return AttnOutput(out, probs)
