@@ -368,11 +368,12 @@ def test_capture_attention_returns_probabilities(bert_factory, padded_batch, key
 
 
 def _dense_hardcoded(mech, v, n, ctx):
-    """The weights path (``_attend`` over the [h, n, m] prior), which the loop test checks."""
-    from attnlab.mechanisms.priors_position import _attend
+    """The weights path (``attend_rows`` over the [h, n, m] prior), which the loop test
+    checks."""
+    from attnlab.mechanisms._rowchunks import attend_rows
 
     logits = mech.logits(n, v.shape[2], v.device, v.dtype).to(v.dtype)[None]
-    return _attend(logits, v, ctx, False).out
+    return attend_rows(logits, v, ctx, False)[0]
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float64, 1e-12)])

@@ -4,8 +4,9 @@ query-dependent term on every score) and whose query rows are independent given 
 the parameters: ``gaussian_prior``, ``gaussian_transformer``, ``talking_heads`` (its head
 mixes act per (query, key) pair), ``synthesizer``, ``camtl_prior``, ``disagreement`` and
 ``pattern_loss`` (each chunk also returns its share of the loss), and ``realformer`` (its
-chunks also return their rows of the scores the next layer adds). Also the one home
-of ``allowed_pairs``, the visibility mask (padding, causality) of such scores.
+chunks also return their rows of the scores the next layer adds). Also the one home of
+what those mechanisms share: ``allowed_pairs`` (the visibility mask of explicit scores:
+padding, causality) and ``attend_rows`` (masked softmax, attention dropout, @ v).
 
 Why: the dense form keeps, for the backward, the scores, the biased scores, the softmax
 probabilities and a dropout mask, each [b, h, n, m]: at 4 x 4096 tokens and 2 heads that is
@@ -27,9 +28,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ..core import AttnContext, causal_mask
+from ..core import AttnContext, causal_mask, masked_softmax
 
 # Scores per chunk (b * h * c * m): 2 Mi floats, 8 MB in float32 per buffer.
 CHUNK_ELEMS = 1 << 21
@@ -55,6 +57,25 @@ def allowed_pairs(ctx: AttnContext, shape: torch.Size | tuple[int, ...],
     if ctx.key_mask is not None:
         allowed = allowed & ctx.key_mask.to(device=device, dtype=torch.bool)[:, None, None, :]
     return allowed
+
+
+def attend_rows(scores: torch.Tensor, v: torch.Tensor, ctx: AttnContext, training: bool,
+                first_row: int = 0, num_queries: int | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(scores) over the visible keys, attention dropout in training, @ v:
+    (out [b,h,c,dv], probabilities [b,h,c,m] before dropout). scores [b|1,h,c,m]
+    (broadcast over the batch), v [b,h,m,dv]; the c rows are rows first_row .. of
+    ``num_queries`` (all of them by default)."""
+    shape = (v.shape[0], *scores.shape[1:])
+    allowed = allowed_pairs(ctx, shape, v.device, first_row, num_queries)
+    probs = masked_softmax(scores.expand(shape), allowed)  # [b,h,c,m]
+    p = F.dropout(probs, ctx.dropout, training=True) if draws_dropout(ctx, training) else probs
+    return p @ v.to(p.dtype), probs  # [b,h,c,dv]
+
+
+def draws_dropout(ctx: AttnContext, training: bool) -> bool:
+    """Whether attention dropout draws random numbers in this call."""
+    return bool(training and ctx.dropout > 0)
 
 
 def rows_per_chunk(b: int, h: int, m: int) -> int:

@@ -19,7 +19,7 @@ from ..core import (
     masked_softmax,
     register_mechanism,
 )
-from ._rowchunks import allowed_pairs, in_row_chunks
+from ._rowchunks import allowed_pairs, draws_dropout, in_row_chunks
 from .heads_structure import GroupedQuery, GroupedQueryConfig
 
 # ----------------------------------------------------------------------------- talking heads
@@ -97,7 +97,7 @@ class TalkingHeads(nn.Module):
             return AttnOutput(out, w)
         # the query rows in checkpointed chunks: training keeps no [b,h,n,m] (_rowchunks)
         out = in_row_chunks(lambda r0, qc: self._rows(qc, k, v, ctx, r0, n)[0], q, m,
-                            dropout=bool(self.training and ctx.dropout))
+                            dropout=draws_dropout(ctx, self.training))
         return AttnOutput(out)
 
 

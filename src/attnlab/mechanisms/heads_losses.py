@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..core import (
@@ -24,12 +23,11 @@ from ..core import (
     HeadDims,
     MechanismConfig,
     check_qkv,
-    masked_softmax,
     reference_attention,
     register_mechanism,
 )
 from ..core.masks import positions
-from ._rowchunks import allowed_pairs, in_row_chunks
+from ._rowchunks import attend_rows, draws_dropout, in_row_chunks
 
 FAMILY = "heads"
 EPS = 1e-12  # floor of the norms in the cosine similarities (all-padding examples -> 0)
@@ -61,10 +59,7 @@ def _dense_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnCont
     """``dense_with_probs`` for query rows first_row .. of num_queries (q [b,h,c,d]: those
     rows): (out [b,h,c,dv], probs [b,h,c,m] before dropout)."""
     scores = (q @ k.transpose(-1, -2)) * ctx.scale_for(q.shape[-1])  # [b,h,c,m]
-    probs = masked_softmax(scores, allowed_pairs(ctx, scores.shape, q.device, first_row,
-                                                 num_queries))  # [b,h,c,m]
-    p = F.dropout(probs, ctx.dropout, training=True) if training and ctx.dropout > 0 else probs
-    return p @ v.to(p.dtype), probs  # [b,h,c,dv]
+    return attend_rows(scores, v, ctx, training, first_row, num_queries)
 
 
 # ----------------------------------------------------------------------------- disagreement
@@ -188,7 +183,7 @@ class Disagreement(nn.Module):
                 s = s * keep[:, r0:r0 + c, None]
             return out, s.square().sum(dim=(1, 2))  # [b]
 
-        out, pos = in_row_chunks(rows, q, m, dropout=bool(self.training and ctx.dropout > 0))
+        out, pos = in_row_chunks(rows, q, m, dropout=draws_dropout(ctx, self.training))
         h = q.shape[1]
         aux = self.disagreement_loss(v, None, out, ctx.key_mask, position=pos / h**2)
         return AttnOutput(out, None, (self.cfg.weight * aux).to(out.dtype))
@@ -319,6 +314,6 @@ class PatternLoss(nn.Module):
             loss = self.guidance_loss(probs, ctx.key_mask, ctx.causal, r0, n)
             return out, out.new_zeros((), dtype=torch.float32) if loss is None else loss
 
-        out, loss = in_row_chunks(rows, q, m, dropout=bool(self.training and ctx.dropout > 0))
+        out, loss = in_row_chunks(rows, q, m, dropout=draws_dropout(ctx, self.training))
         aux = (self.cfg.weight * loss).to(out.dtype) if guided else None
         return AttnOutput(out, None, aux)

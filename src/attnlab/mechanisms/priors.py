@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..core import (
@@ -29,10 +28,9 @@ from ..core import (
     HeadDims,
     MechanismConfig,
     check_qkv,
-    masked_softmax,
     register_mechanism,
 )
-from ._rowchunks import allowed_pairs, in_row_chunks
+from ._rowchunks import attend_rows, draws_dropout, in_row_chunks
 
 # Key of the residual-score entry in ``AttnContext.state``; the value is a ResidualScores.
 REALFORMER_STATE_KEY = "realformer.scores"
@@ -135,10 +133,8 @@ class RealFormer(nn.Module):
         scores = (q @ k.transpose(-1, -2)) * ctx.scale_for(q.shape[-1])  # [b,h,c,m]
         if prev is not None:
             scores = scores + prev.to(scores.dtype)
-        allowed = allowed_pairs(ctx, scores.shape, q.device, first_row, num_queries)
-        probs = masked_softmax(scores, allowed)  # [b,h,c,m]
-        p = F.dropout(probs, ctx.dropout, training=True) if self.training and ctx.dropout else probs
-        return p @ v.to(p.dtype), scores, probs  # [b,h,c,dv]
+        out, probs = attend_rows(scores, v, ctx, self.training, first_row, num_queries)
+        return out, scores, probs  # [b,h,c,dv], [b,h,c,m] x2
 
     def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
         check_qkv(q, k, v, self.dims)
@@ -151,7 +147,7 @@ class RealFormer(nn.Module):
             probs = None
             out, scores = in_row_chunks(
                 lambda r0, qc, pc: self._rows(qc, k, v, ctx, pc, r0, n)[:2], q, m,
-                dropout=bool(self.training and ctx.dropout), row_inputs=(prev,),
+                dropout=draws_dropout(ctx, self.training), row_inputs=(prev,),
                 concat_extras=True)
         if ctx.state is not None:
             ctx.state[REALFORMER_STATE_KEY] = ResidualScores(scores, ctx.layer_idx)

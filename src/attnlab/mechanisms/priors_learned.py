@@ -25,11 +25,10 @@ from ..core import (
     HeadDims,
     MechanismConfig,
     check_qkv,
-    masked_softmax,
     register_mechanism,
 )
 from ..core.protocol import TASK_ID
-from ._rowchunks import allowed_pairs, in_row_chunks
+from ._rowchunks import allowed_pairs, attend_rows, draws_dropout, in_row_chunks
 
 
 def _check(ok: bool, message: str) -> None:
@@ -198,7 +197,7 @@ class CamtlPrior(nn.Module):
             return AttnOutput(out, probs)
         # the query rows in checkpointed chunks: training keeps no [b,h,n,m] (_rowchunks)
         out = in_row_chunks(lambda r0, qc: self._rows(qc, k, v, ctx, ids, r0, n)[0], q, m,
-                            dropout=bool(self.training and ctx.dropout > 0))
+                            dropout=draws_dropout(ctx, self.training))
         return AttnOutput(out)
 
     def _rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext,
@@ -210,9 +209,8 @@ class CamtlPrior(nn.Module):
         m = k.shape[-2]
         scores = (q @ k.transpose(-1, -2)) * ctx.scale_for(q.shape[-1])  # [b,h,c,m]
         scores = scores + self.prior(ids, c, m, first_row).to(q.dtype)[:, None]  # + M
-        allowed = allowed_pairs(ctx, (b, h, c, m), q.device, first_row, num_queries)
-        probs = masked_softmax(scores, allowed)  # [b,h,c,m]
-        return _dropout(probs, ctx, self.training) @ v.to(probs.dtype), probs  # [b,h,c,dv]
+        return attend_rows(scores, v, ctx, self.training, first_row,
+                           num_queries)  # [b,h,c,dv], [b,h,c,m]
 
 
 # -------------------------------------------------------------------------------- average
@@ -496,7 +494,7 @@ class Synthesizer(nn.Module):
             return AttnOutput(out, probs)
         # the query rows in checkpointed chunks: training keeps no [b,h,n,m] (_rowchunks)
         out = in_row_chunks(lambda r0, qc: self._rows(qc, k, v, ctx, r0, n)[0], q, m,
-                            dropout=bool(self.training and ctx.dropout > 0))
+                            dropout=draws_dropout(ctx, self.training))
         return AttnOutput(out)
 
     def _rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext,
@@ -511,7 +509,5 @@ class Synthesizer(nn.Module):
         if self.alpha is not None or self.cfg.mix < 1.0:
             dot = (q @ k.transpose(-1, -2)) * ctx.scale_for(q.shape[-1])  # [b,h,c,m]
             scores = (1 - alpha) * dot + scores
-        scores = scores.expand(b, h, c, m)
-        allowed = allowed_pairs(ctx, (b, 1, c, m), q.device, first_row, num_queries)
-        probs = masked_softmax(scores, allowed)  # [b,h,c,m]
-        return _dropout(probs, ctx, self.training) @ v.to(probs.dtype), probs  # [b,h,c,dv]
+        return attend_rows(scores.expand(b, h, c, m), v, ctx, self.training, first_row,
+                           num_queries)  # [b,h,c,dv], [b,h,c,m]

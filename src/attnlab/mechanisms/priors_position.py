@@ -30,12 +30,11 @@ from ..core import (
     HeadDims,
     MechanismConfig,
     check_qkv,
-    masked_softmax,
     register_mechanism,
 )
 from ._gaussian_window import FAST_DTYPES, gaussian_window, window_lags
 from ._maskedsdpa import masked_sdpa
-from ._rowchunks import allowed_pairs, in_row_chunks
+from ._rowchunks import attend_rows, draws_dropout, in_row_chunks
 
 FAMILY = "priors"
 
@@ -60,24 +59,23 @@ def _distance(n: int, m: int, device: torch.device, first_row: int = 0,
     return i - j
 
 
-def _attend(scores: torch.Tensor, v: torch.Tensor, ctx: AttnContext,
-            training: bool, first_row: int = 0, num_queries: int | None = None
-            ) -> AttnOutput:
-    """softmax(scores) over the visible keys, dropout in training, @ v.
-    scores [b|1,h,n,m] (broadcast over the batch), v [b,h,m,dv]; for a chunk of rows
-    (``_rowchunks``) the n rows are rows first_row .. of ``num_queries``."""
-    b = v.shape[0]
-    shape = (b, *scores.shape[1:])
-    allowed = allowed_pairs(ctx, shape, v.device, first_row, num_queries)
-    probs = masked_softmax(scores.expand(shape), allowed)
-    p = F.dropout(probs, ctx.dropout, training=True) if training and ctx.dropout else probs
-    out = p @ v.to(p.dtype)  # [b,h,n,dv]
-    return AttnOutput(out, probs if ctx.need_weights else None)
+def _with_prior(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext,
+                training: bool, prior) -> AttnOutput:
+    """softmax(Q K^T * scale + prior + masks) V, the query rows in checkpointed chunks
+    (``_rowchunks``) unless weights are asked for. ``prior(r0, q_rows)`` -> the additive
+    term of query rows r0 .. ([b|1,h,c,m], in the scores' dtype)."""
+    n, m = q.shape[-2], k.shape[-2]
+    scale = ctx.scale_for(q.shape[-1])
 
+    def rows(r0: int, qc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = (qc @ k.transpose(-1, -2)) * scale  # [b,h,c,m]
+        return attend_rows(scores + prior(r0, qc), v, ctx, training, r0, n)
 
-def _dropping(ctx: AttnContext, training: bool) -> bool:
-    """Whether attention dropout draws random numbers in this call."""
-    return bool(training and ctx.dropout)
+    if ctx.need_weights:
+        return AttnOutput(*rows(0, q))
+    out = in_row_chunks(lambda r0, qc: rows(r0, qc)[0], q, m,
+                        dropout=draws_dropout(ctx, training))
+    return AttnOutput(out)
 
 
 # --------------------------------------------------------------------------- gaussian_prior
@@ -158,17 +156,9 @@ class GaussianPrior(nn.Module):
 
     def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
         check_qkv(q, k, v, self.dims)
-        n, m = q.shape[-2], k.shape[-2]
-        scale = ctx.scale_for(q.shape[-1])
-        if ctx.need_weights:
-            scores = (q @ k.transpose(-1, -2)) * scale  # [b,h,n,m]
-            return _attend(scores + self.prior(q, ctx, m), v, ctx, self.training)
-
-        def rows(r0: int, qc: torch.Tensor) -> torch.Tensor:  # qc [b,h,c,d] -> [b,h,c,dv]
-            scores = (qc @ k.transpose(-1, -2)) * scale  # [b,h,c,m]
-            return _attend(scores + self.prior(qc, ctx, m), v, ctx, self.training, r0, n).out
-
-        return AttnOutput(in_row_chunks(rows, q, m, dropout=_dropping(ctx, self.training)))
+        m = k.shape[-2]
+        return _with_prior(q, k, v, ctx, self.training,
+                           lambda r0, qc: self.prior(qc, ctx, m))
 
 
 # --------------------------------------------------------------------- gaussian_transformer
@@ -257,17 +247,8 @@ class GaussianTransformer(nn.Module):
     def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
         check_qkv(q, k, v, self.dims)
         n, m = q.shape[-2], k.shape[-2]
-        scale = ctx.scale_for(q.shape[-1])
-        if ctx.need_weights:
-            scores = (q @ k.transpose(-1, -2)) * scale  # [b,h,n,m]
-            return _attend(scores + self.bias(n, m).to(scores.dtype), v, ctx, self.training)
-
-        def rows(r0: int, qc: torch.Tensor) -> torch.Tensor:  # qc [b,h,c,d] -> [b,h,c,dv]
-            scores = (qc @ k.transpose(-1, -2)) * scale  # [b,h,c,m]
-            g = self.bias(n, m, r0, qc.shape[-2]).to(scores.dtype)  # [h,c,m]
-            return _attend(scores + g, v, ctx, self.training, r0, n).out
-
-        return AttnOutput(in_row_chunks(rows, q, m, dropout=_dropping(ctx, self.training)))
+        return _with_prior(q, k, v, ctx, self.training,
+                           lambda r0, qc: self.bias(n, m, r0, qc.shape[-2]).to(qc.dtype))
 
 
 # ----------------------------------------------------------------------- hardcoded_gaussian
@@ -360,7 +341,8 @@ class HardcodedGaussian(nn.Module):
                                               ctx.key_mask, ctx.causal))
         logits = self.logits(n, m, v.device, v.dtype).to(v.dtype)[None]  # [1,h,n,m]
         if not plain:
-            return _attend(logits, v, ctx, self.training)
+            out, probs = attend_rows(logits, v, ctx, self.training)
+            return AttnOutput(out, probs if ctx.need_weights else None)
         # softmax(0 + logits + masks) V on SDPA's fused kernel: zero queries and keys make
         # every score 0, so the prior is the whole logit, and the [b,h,n,m] probabilities
         # are never stored (the [1,h,n,m] prior is). Zeros of v's head dim: the CPU flash
