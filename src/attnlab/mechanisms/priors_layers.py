@@ -34,6 +34,7 @@ from ..core import (
     register_mechanism,
 )
 from ._rowchunks import allowed_pairs
+from .dense import Softmax, SoftmaxConfig
 from .priors import ResidualScores, lower_entry
 
 FAMILY = "priors"
@@ -49,10 +50,10 @@ def _check(ok: bool, message: str) -> None:
 
 
 def _same_shape(name: str, layer_idx: int, what: str, want: torch.Size,
-                prev: torch.Tensor, prev_layer: int) -> None:
-    _check(prev.shape == want,
+                got: torch.Size, prev_layer: int) -> None:
+    _check(got == want,
            f"{name} at layer {layer_idx} needs {what} of shape {list(want)} but layer "
-           f"{prev_layer} passed up {list(prev.shape)}; every {name} layer needs the same "
+           f"{prev_layer} passed up {list(got)}; every {name} layer needs the same "
            f"heads and lengths (put it on all heads of its layers, with equal head counts)")
 
 
@@ -138,7 +139,7 @@ class Predictive(nn.Module):
                                                   "predictive", ctx.layer_idx, "scores")
         if prev is not None:
             _same_shape("predictive", ctx.layer_idx, "lower scores [b,h,n,m]", scores.shape,
-                        prev.scores, prev.layer_idx)
+                        prev.scores.shape, prev.layer_idx)
             if self.cfg.alpha < 1.0:
                 pred = self.predict(prev.scores.to(scores.dtype), ctx.causal)  # [b,h,n,m]
                 scores = self.cfg.alpha * scores + (1.0 - self.cfg.alpha) * pred
@@ -157,10 +158,13 @@ class Predictive(nn.Module):
 
 
 class LazyMap(NamedTuple):
-    """The map [b,h,n,m] a lazy block's first layer computed, its values [b,h,m,dv] when
-    ``share_values`` (else None), and that layer's index."""
+    """What a lazy block's first layer passes up: its queries [b,h,n,d] and keys [b,h,m,d],
+    from which the map P_c is computed again where it is reused (the same function of the
+    same tensors: the same map), its values [b,h,m,dv] when ``share_values`` (else None),
+    and that layer's index."""
 
-    probs: torch.Tensor
+    q: torch.Tensor
+    k: torch.Tensor
     values: torch.Tensor | None
     layer_idx: int
 
@@ -190,14 +194,20 @@ class Lazyformer(nn.Module):
     in layer indices: on layers 0..5 with share=2, layers 0, 2, 4 compute and 1, 3, 5 reuse.
     share=1 is plain softmax in every layer (tested). Lazy layers read neither q nor k (the
     host's Q/K projections of those layers get no gradient, as the paper drops them);
-    gradients of a lazy layer flow into P_c. Complexity O(n*m*d) in computing layers,
-    O(n*m*dv) in lazy ones. No parameters.
+    gradients of a lazy layer flow into P_c. Complexity O(n*m*d) time in every layer (lazy
+    layers compute P_c V again, see below), O(n + m) memory kept per layer. No
+    parameters.
     Cross-layer state: ``ctx.state["lazyformer.map"]`` holds the LazyMap of the last
-    computing layer (probabilities after masking, before dropout); shape mismatches are a
-    clear error. Dropout ``ctx.dropout`` applies to the probabilities in each layer, in
-    training. Deviations: the paper's training tricks (e.g. where the computing layers sit
-    in a pre-trained model) are left to the plan. ``need_weights`` returns the map the layer
-    used (P_c in lazy layers).
+    computing layer: not P_c itself but its queries and keys. A lazy layer computes
+    P_c V again from them with the ``softmax`` mechanism (``F.scaled_dot_product_attention``:
+    a flash kernel on the CPU), so no layer keeps a [b,h,n,m] map for the backward; the
+    value is P_c V all the same and the gradients reach q_c and k_c as they would through
+    P_c. The masks (padding, causal) and the scale are the lazy layer's context's, which in
+    one forward pass are the computing layer's. Shape mismatches are a clear error. Dropout
+    ``ctx.dropout`` applies to the probabilities in each layer, in training. Deviations:
+    the paper's training tricks (e.g. where the computing layers sit in a pre-trained
+    model) are left to the plan. ``need_weights`` returns the map the layer used (P_c in
+    lazy layers, computed as the ``softmax`` mechanism returns its weights).
     """
 
     example: ClassVar[str] = "lazyformer(share=2)"
@@ -208,6 +218,7 @@ class Lazyformer(nn.Module):
     def __init__(self, cfg: LazyformerConfig, dims: HeadDims) -> None:
         super().__init__()
         self.cfg, self.dims = cfg, dims
+        self.softmax = Softmax(SoftmaxConfig(), dims)  # no parameters: P V of every layer
 
     def lower_map(self, ctx: AttnContext) -> LazyMap | None:
         """The map this layer reuses (None: it computes its own)."""
@@ -222,21 +233,19 @@ class Lazyformer(nn.Module):
         b, h, n, _ = q.shape
         m = k.shape[-2]
         prev = self.lower_map(ctx)
-        if prev is not None:  # lazy layer: reuse P_c (and V_c)
-            _same_shape("lazyformer", ctx.layer_idx, "a map [b,h,n,m]",
-                        torch.Size((b, h, n, m)), prev.probs, prev.layer_idx)
-            probs = prev.probs.to(q.dtype)  # [b,h,n,m]
-            values = v
-            if prev.values is not None:
-                _same_shape("lazyformer", ctx.layer_idx, "values [b,h,m,dv]", v.shape,
-                            prev.values, prev.layer_idx)
-                values = prev.values.to(v.dtype)  # [b,h,m,dv]
-        else:
-            scores = (q @ k.transpose(-1, -2)) * ctx.scale_for(q.shape[-1])  # [b,h,n,m]
-            probs = masked_softmax(scores, allowed_pairs(ctx, scores.shape, q.device))
-            values = v
+        if prev is None:  # computing layer: P_l = softmax(Q K^T / sqrt(d) + mask)
             if ctx.state is not None:
                 ctx.state[LAZYFORMER_STATE_KEY] = LazyMap(
-                    probs, v if self.cfg.share_values else None, ctx.layer_idx)
-        out = _dropout(probs, ctx, self.training) @ values.to(probs.dtype)  # [b,h,n,dv]
-        return AttnOutput(out, probs if ctx.need_weights else None)
+                    q, k, v if self.cfg.share_values else None, ctx.layer_idx)
+            return self.softmax(q, k, v, ctx)
+        # lazy layer: P_c (from q_c, k_c) with this layer's V, or V_c
+        _same_shape("lazyformer", ctx.layer_idx, "a map [b,h,n,m]",
+                    torch.Size((b, h, n, m)), torch.Size((*prev.q.shape[:3], prev.k.shape[-2])),
+                    prev.layer_idx)
+        values = v
+        if prev.values is not None:
+            _same_shape("lazyformer", ctx.layer_idx, "values [b,h,m,dv]", v.shape,
+                        prev.values.shape, prev.layer_idx)
+            values = prev.values.to(v.dtype)  # [b,h,m,dv]
+        return self.softmax(prev.q.to(q.dtype), prev.k.to(q.dtype), values, ctx)
+
