@@ -270,6 +270,8 @@ def jump_counts(
     step = max(1, _GROUP // max(1, n * n))
     for g0 in range(0, g, step):
         sl = slice(g0, g0 + step)
+        if not may_link(x[sl], lk[sl], head_dim, rho, sign):
+            continue  # no jump link in these heads: their counts stay 0, nothing sorted
         p, prefix, perm = _boundaries(x[sl], lk[sl], head_dim, rho, sign)  # [gc, k, i]
         empty = None
         if ok is not None:  # padding key k or padding row i: no links
@@ -285,6 +287,30 @@ def jump_counts(
     if ok is not None:
         counts *= ok[:, :, None] & ok[:, None, :]
     return counts.view(*batch, n, n)
+
+
+def may_link(scores: torch.Tensor, key_len: torch.Tensor, head_dim: int, rho: float,
+             sign: bool = False) -> bool:
+    """False only if no (k, i, j) passes the threshold: then every count is 0.
+
+    scores [..., n, n] (queries x keys; NaN counts as 0), key_len [..., n]. Through key k
+    the strongest pair is the column's largest value with itself or its smallest with
+    itself: with rho > 0 only a product of two scores of one sign can pass, and
+    ``jump_strength`` is monotone in each factor (rounding included), so no pair of the
+    column is stronger than max(U(max, max), U(min, min)) evaluated with the same float
+    expression. Heads at initialisation, whose scores are small, have no link: their sort
+    is skipped. With rho <= 0 every pair may pass and this says True.
+    """
+    if not rho > 0:
+        return True
+    x = scores.detach()
+    if bool(torch.isnan(x).any()):
+        x = _clean(x)
+    top, low = x.amax(dim=-2), x.amin(dim=-2)  # [..., k] column extremes over the rows i
+    lk = key_len.detach().to(x.dtype)
+    strongest = torch.maximum(jump_strength(top, top, lk, head_dim, sign),
+                              jump_strength(low, low, lk, head_dim, sign))
+    return bool((strongest >= rho).any())
 
 
 def _lengths(p: torch.Tensor, prefix: torch.Tensor, empty: torch.Tensor | None, n: int):

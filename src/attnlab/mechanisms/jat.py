@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar, Literal
 
 import torch
@@ -31,13 +31,22 @@ from ._jat_adjacency import (
     jump_counts,
     key_length,
     link_census,  # noqa: F401  (public for bench.jat: link sparsity and counter)
+    may_link,
     naive_adjacency,
     naive_jump_counts,
     normalized_adjacency,
 )
+from ._rowchunks import attend_rows, in_row_chunks
 from .dense import Softmax, SoftmaxConfig
 
 AdjacencyMethod = Literal["auto", "enumerate", "compare", "direct", "naive"]
+
+# Scores per group of heads whose adjacency is computed at once (``head_adjacency``).
+_GROUP_SCORES = 1 << 22
+# A_hat is kept sparse (COO: 28 bytes per nonzero against 4 per dense entry) when at most
+# this fraction of it is nonzero, for n >= _SPARSE_MIN_N (shorter heads stay dense).
+_SPARSE_FRACTION = 1 / 32
+_SPARSE_MIN_N = 256
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,6 +99,27 @@ def jat_adjacency(
     return normalized_adjacency(counts, valid, scores.dtype)
 
 
+def hops(
+    a_hat: torch.Tensor, q: torch.Tensor, k: torch.Tensor, order: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """([A Q, A^2 Q, ..., A^M Q], the same of K), each concatenated to [..., n, M*d]:
+    J = sum_m (A^m Q)(A^m K)^T is their product. a_hat [..., n, n], q, k [..., n, d]; or
+    a_hat a sparse COO [g, n, n] (``head_adjacency``'s sparse form, g = b*h) and q, k
+    [b, h, n, d]."""
+    shape = q.shape
+    if a_hat.is_sparse:  # flatten the heads to the sparse batch
+        q, k = q.reshape(-1, *shape[-2:]), k.reshape(-1, *shape[-2:])  # [g, n, d]
+    mm = torch.bmm if a_hat.is_sparse else torch.matmul
+    qs, ks = [], []
+    qm, km = q, k
+    for _ in range(order):
+        qm, km = mm(a_hat, qm), mm(a_hat, km)  # [.., n, d]
+        qs.append(qm)
+        ks.append(km)
+    qj, kj = torch.cat(qs, -1), torch.cat(ks, -1)
+    return qj.view(*shape[:-1], -1), kj.view(*shape[:-1], -1)
+
+
 def propagate(
     a_hat: torch.Tensor, q: torch.Tensor, k: torch.Tensor, order: int, naive: bool = False
 ) -> torch.Tensor:
@@ -106,13 +136,70 @@ def propagate(
             phi = a_hat @ phi @ a_hat.transpose(-1, -2)
             total = total + phi
         return total
-    qs, ks = [], []
-    qm, km = q, k
-    for _ in range(order):
-        qm, km = a_hat @ qm, a_hat @ km  # [.., n, d]
-        qs.append(qm)
-        ks.append(km)
-    return torch.cat(qs, -1) @ torch.cat(ks, -1).transpose(-1, -2)  # [.., n, n]
+    qj, kj = hops(a_hat, q, k, order)
+    return qj @ kj.transpose(-1, -2)  # [.., n, n]
+
+
+def head_adjacency(
+    q: torch.Tensor, k: torch.Tensor, cfg: JATConfig, valid: torch.Tensor | None = None
+) -> torch.Tensor:
+    """A_hat of S = Q K^T (no gradient), a group of heads at a time: dense [b, h, n, n], or,
+    when it has few nonzeros, a sparse COO [b*h, n, n] (the same values).
+
+    q, k [b, h, n, d]; valid [b, n] (mask_pads) or None. Each group's S (about
+    ``_GROUP_SCORES`` entries) lives only while its A_hat is computed. A_hat is the diagonal
+    plus one entry per linked pair (i, j), and is kept by the hops' products for the
+    backward: sparse when at most ``_SPARSE_FRACTION`` of it is nonzero and n >=
+    ``_SPARSE_MIN_N``, else dense. Heads without any link (at initialisation, where the
+    scores are small, every head) have A_hat = I exactly (counts 0, degree 1), which is
+    written as such without the normalisation's passes.
+    """
+    b, h, n, d = q.shape
+    g = b * h
+    qf, kf = q.detach().reshape(g, 1, n, d), k.detach().reshape(g, 1, n, d)
+    vf = None if valid is None else valid[:, None, :].expand(b, h, n).reshape(g, 1, n)
+    step = max(1, _GROUP_SCORES // (n * n))
+    sparse = n >= _SPARSE_MIN_N
+    parts: list[torch.Tensor] = []  # per group: [gc, n, n], dense or COO
+    with torch.no_grad():
+        for g0 in range(0, g, step):
+            sl = slice(g0, g0 + step)
+            scores = qf[sl] @ kf[sl].transpose(-1, -2)  # S [gc, 1, n, n]
+            v_sl = None if vf is None else vf[sl]
+            if cfg.adjacency == "naive":
+                part = jat_adjacency(scores, kf[sl], cfg.rho, cfg.sign, v_sl, "naive")
+            else:
+                key_len = key_length(kf[sl])  # [gc, 1, n]
+                if not may_link(scores, key_len, d, cfg.rho, cfg.sign):
+                    parts.append(_identity(scores.shape[0], n, q.dtype, q.device, sparse))
+                    continue
+                counts = jump_counts(scores, key_len, d, cfg.rho, cfg.sign, v_sl,
+                                     cfg.adjacency)
+                part = normalized_adjacency(counts, v_sl, scores.dtype)
+            part = part.view(-1, n, n)  # [gc, n, n]
+            few = sparse and int(part.count_nonzero()) <= _SPARSE_FRACTION * part.numel()
+            parts.append(part.to_sparse() if few else part)
+        nonzero = sum(p._nnz() if p.is_sparse else int(p.count_nonzero()) for p in parts)
+        if not sparse or nonzero > _SPARSE_FRACTION * g * n * n:
+            return torch.cat([p.to_dense() for p in parts]).view(b, h, n, n)
+        parts = [p if p.is_sparse else p.to_sparse() for p in parts]
+        index = torch.cat([p.indices() + torch.tensor([[g0], [0], [0]], device=q.device)
+                           for p, g0 in zip(parts, range(0, g, step), strict=True)], 1)
+        values = torch.cat([p.values() for p in parts])  # [nnz]
+        return torch.sparse_coo_tensor(index, values, (g, n, n),
+                                       check_invariants=True).coalesce()  # [g, n, n]
+
+
+def _identity(heads: int, n: int, dtype: torch.dtype, device: torch.device,
+              sparse: bool) -> torch.Tensor:
+    """I [heads, n, n], dense or sparse COO."""
+    if not sparse:
+        return torch.eye(n, dtype=dtype, device=device).expand(heads, n, n)
+    diag = torch.arange(n, device=device)
+    index = torch.stack([torch.arange(heads, device=device).repeat_interleave(n),
+                         diag.repeat(heads), diag.repeat(heads)])  # [3, heads*n]
+    ones = torch.ones(heads * n, dtype=dtype, device=device)
+    return torch.sparse_coo_tensor(index, ones, (heads, n, n), check_invariants=True).coalesce()
 
 
 def _mix(scores: torch.Tensor, jump: torch.Tensor, coef: float, mode: str) -> torch.Tensor:
@@ -253,7 +340,15 @@ class JumpSelfAttention(nn.Module):
 
     Complexity: the official code materialises B as [b, h, n, n, n]. Here A is exact (the
     same integer counts, tested bit for bit) in O(n^2 log n + min(E, n^3)) time and
-    O(n^2) memory, E = number of jump links; J costs O(M n^2 d). Probsparse: O(n^2 d + u^3).
+    O(n^2) memory, E = number of jump links; a head whose scores cannot reach rho (checked
+    exactly on each key's extreme scores; every head at initialisation) has A = I and skips
+    the O(n^2 log n) sort. J costs O(M n^2 d). Probsparse: O(n^2 d + u^3).
+    Memory kept for the backward (dense variant, no ``need_weights``): S~ = (1 - c) S + c J
+    is the product Q~ K~^T of Q~ = [(1 - c) Q, c A Q, ..., c A^M Q] and
+    K~ = [K, A K, ..., A^M K], so step 7 runs as SDPA over Q~, K~ (the flash kernel on the
+    CPU) and only A_hat is kept of the [b, h, n, n] tensors: sparse (COO) when at most 1/32
+    of it is nonzero, so O(n + E') with E' linked pairs. With dropout on J (training,
+    ``ctx.dropout`` > 0) the query rows run in checkpointed chunks instead.
     Off the CPU, ``adjacency="auto"`` counts inputs of n <= 256 with ``direct``: the
     official predicate on all n^3 triples in blocks (few kernels, no host syncs), same counts.
 
@@ -287,6 +382,7 @@ class JumpSelfAttention(nn.Module):
         super().__init__()
         self.cfg, self.dims = cfg, dims
         self._streams: dict[int, torch.Generator] = {}  # probsparse training streams
+        self.softmax = Softmax(SoftmaxConfig(), dims)  # no parameters: SDPA of the heads
 
     def sample(self, n: int, layer_idx: int) -> torch.Tensor:
         """The probsparse key sample [n, U] this module uses for a call in its current mode."""
@@ -315,11 +411,13 @@ class JumpSelfAttention(nn.Module):
         if self.cfg.mode == "mix" and self.cfg.coef == 0:
             # S~ = S: the very path of plain heads (SDPA), so the model is bit for bit the
             # pretrained one, dropout draws included
-            return Softmax(SoftmaxConfig(), self.dims).train(self.training)(q, k, v, ctx)
+            return self.softmax.train(self.training)(q, k, v, ctx)
         p = ctx.dropout if self.training else 0.0
         valid = None
         if self.cfg.mask_pads and ctx.key_mask is not None:
             valid = ctx.key_mask.to(torch.bool)  # [b, n]
+        if self.cfg.variant == "dense" and not ctx.need_weights:
+            return AttnOutput(self._factored(q, k, v, ctx, valid, p))
         scores = torch.matmul(q, k.transpose(-1, -2))  # S [b, h, n, n]
         if self.cfg.variant == "dense":
             mixed = jat_dense_scores(q, k, scores, self.cfg, valid, p)
@@ -334,3 +432,36 @@ class JumpSelfAttention(nn.Module):
         drop = F.dropout(probs, p, training=True) if p > 0 else probs
         out = torch.matmul(drop, v.to(drop.dtype))  # [b, h, n, dv]
         return AttnOutput(out, probs if ctx.need_weights else None)
+
+    def _factored(self, q, k, v, ctx: AttnContext, valid: torch.Tensor | None,
+                  p: float) -> torch.Tensor:
+        """out [b, h, n, dv] of the dense variant without the [b, h, n, n] scores kept.
+
+        S~ = (1 - c) Q K^T + c sum_m (A^m Q)(A^m K)^T is itself a product Q~ K~^T with
+        Q~ = [(1 - c) Q, c A Q, ..., c A^M Q] and K~ = [K, A K, ..., A^M K] (``replace``:
+        the hops alone), so step 7 is softmax attention over Q~, K~ at the scale of d:
+        SDPA, which keeps no [b, h, n, n] tensor. With dropout on J (training, p > 0) the
+        product is not one any more: the query rows then run in checkpointed chunks
+        (``_rowchunks``), J's and the probabilities' dropout drawn per chunk. Autograd keeps
+        A_hat [b, h, n, n] (the hops' matmuls), q, k, v and the hops.
+        """
+        d = q.shape[-1]
+        a_hat = head_adjacency(q, k, self.cfg, valid)  # [b, h, n, n], no gradient
+        qj, kj = hops(a_hat, q, k, self.cfg.order)  # [b, h, n, M*d] each
+        coef, scale = self.cfg.coef, ctx.scale_for(d)
+        if p == 0:
+            if self.cfg.mode == "replace":
+                qt, kt = qj, kj
+            else:
+                qt, kt = torch.cat([q * (1 - coef), qj * coef], -1), torch.cat([k, kj], -1)
+            ctx_t = replace(ctx, scale=scale, need_weights=False)
+            return self.softmax.train(self.training)(qt, kt, v, ctx_t).out  # [b, h, n, dv]
+        n = q.shape[2]
+
+        def rows(r0: int, q_rows: torch.Tensor, qj_rows: torch.Tensor) -> torch.Tensor:
+            scores = q_rows @ k.transpose(-1, -2)  # S rows [b, h, c, n]
+            jump = F.dropout(qj_rows @ kj.transpose(-1, -2), p, training=True)  # J rows
+            mixed = _mix(scores, jump, coef, self.cfg.mode)
+            return attend_rows(mixed * scale, v, ctx, self.training, r0, n)[0]
+
+        return in_row_chunks(rows, q, n, dropout=True, row_inputs=(qj,))
