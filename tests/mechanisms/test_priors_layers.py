@@ -24,6 +24,7 @@ from attnlab import load_pretrained, save_pretrained
 from attnlab.analysis import TokenInfo, build_report, example_maps, score_heads
 from attnlab.core import RegistryError
 from attnlab.hf import apply_plan, capture_attention
+from attnlab.mechanisms.priors import ResidualScores
 from attnlab.mechanisms.priors_layers import LAZYFORMER_STATE_KEY, PREDICTIVE_STATE_KEY
 from attnlab.models import encoder_config
 
@@ -175,6 +176,58 @@ def test_predictive_padded_stack_equals_the_unpadded_sequence():
     torch.testing.assert_close(padded[1].out[1:, :, :6], alone[1].out, **TIGHT)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("kernel", [3, 5])
+def test_predictive_row_chunks_match_the_whole_map(monkeypatch, causal, kernel):
+    """Without weights the rows run in checkpointed chunks (2 rows per chunk of 13, so the
+    kernel's neighbouring rows cross chunk borders): outputs, the map passed up and the
+    gradients of q, k, v and the convolutions equal the whole-map form's (1e-5)."""
+    from attnlab.mechanisms import _rowchunks
+
+    mechs = [build(f"predictive(alpha=0.3, kernel={kernel})", seed=s).train()
+             for s in range(3)]
+    key_mask = lengths_mask(13, [13, 8])
+    results = []
+    for weights in (True, False):
+        monkeypatch.setattr(_rowchunks, "CHUNK_ELEMS", B * H * 2 * 13 if not weights
+                            else 1 << 21)
+        inputs = [tuple(x.requires_grad_() for x in rand(13, seed=s)) for s in range(3)]
+        outs, state = run_stack(mechs, inputs, key_mask=key_mask, causal=causal,
+                                need_weights=weights)
+        passed_up = state[PREDICTIVE_STATE_KEY].scores
+        g = torch.Generator().manual_seed(4)
+        loss = sum((o.out * torch.randn(o.out.shape, generator=g)).sum() for o in outs)
+        loss = loss + passed_up.square().sum()
+        leaves = [x for qkv in inputs for x in qkv] + [m.conv.weight for m in mechs[1:]]
+        results.append(([o.out for o in outs], passed_up,
+                        torch.autograd.grad(loss, leaves)))
+    (outs_a, up_a, grads_a), (outs_b, up_b, grads_b) = results
+    for a, b in zip(outs_a + [up_a] + list(grads_a), outs_b + [up_b] + list(grads_b),
+                    strict=True):
+        torch.testing.assert_close(a, b, **TOL)
+
+
+def test_predictive_keeps_the_map_it_passes_up_and_no_more():
+    """A second predictive layer in training at n = 1024 keeps S_{l-1} (its input) and
+    under half of one more [b, h, n, m]; the whole-map form kept several."""
+    n = 1024
+    layer = attnlab.build_mechanism("predictive", attnlab.HeadDims(2, 8, n)).train()
+    q, k, v = (torch.randn(2, 2, n, 8, requires_grad=True) for _ in range(3))
+    prev = torch.randn(2, 2, n, n, requires_grad=True)
+    state = {PREDICTIVE_STATE_KEY: ResidualScores(prev, 0)}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = layer(q, k, v, attnlab.AttnContext(layer_idx=1, state=state)).out
+    assert sum(seen.values()) < 1.5 * 2 * 2 * n * n * 4  # prev and a little more
+    out.sum().backward()
+    assert prev.grad is not None and prev.grad.abs().sum() > 0
+
+
 # -------------------------------------------------------------------------------- lazyformer
 
 
@@ -248,10 +301,10 @@ def test_lazyformer_training_keeps_no_map(share_values):
     g = torch.Generator().manual_seed(3)
     readouts = [torch.randn(o.shape, generator=g) for o in want]
     leaves = [q0, k0, v0, v1]
-    got_grads = torch.autograd.grad(sum((o.out * r).sum() for o, r in zip(outs, readouts)),
-                                    leaves, allow_unused=True)
-    want_grads = torch.autograd.grad(sum((o * r).sum() for o, r in zip(want, readouts)),
-                                     leaves, allow_unused=True)
+    got_loss = sum((o.out * r).sum() for o, r in zip(outs, readouts, strict=True))
+    want_loss = sum((o * r).sum() for o, r in zip(want, readouts, strict=True))
+    got_grads = torch.autograd.grad(got_loss, leaves, allow_unused=True)
+    want_grads = torch.autograd.grad(want_loss, leaves, allow_unused=True)
     for got, ref in zip(outs, want, strict=True):
         torch.testing.assert_close(got.out, ref, **TOL)
     for got, ref in zip(got_grads, want_grads, strict=True):

@@ -85,6 +85,7 @@ def rows_per_chunk(b: int, h: int, m: int) -> int:
 
 def in_row_chunks(rows: Callable[..., Any], q: torch.Tensor, m: int, *, dropout: bool,
                   row_inputs: Sequence[torch.Tensor | None] = (),
+                  chunk_inputs: Sequence[Sequence[torch.Tensor | None]] = (),
                   concat_extras: bool = False) -> Any:
     """The output [b, h, n, dv] of ``rows(r0, q_rows, *row_inputs_rows)`` -> [b, h, c, dv],
     the attention of query rows r0 .. r0 + c - 1 (q_rows = q[:, :, r0:r0 + c], q
@@ -92,6 +93,10 @@ def in_row_chunks(rows: Callable[..., Any], q: torch.Tensor, m: int, *, dropout:
     on). ``row_inputs``: further [b, h, n, ...] tensors cut into the same rows (None stays
     None). The cuts are one ``split`` per tensor, whose backward writes each gradient
     once (slicing per chunk would add a full-size zero gradient per chunk).
+    ``chunk_inputs``: when given, one sequence of further arguments per chunk (chunks of
+    ``rows_per_chunk(b, h, m)`` rows from row 0), appended after the row inputs' rows:
+    inputs a chunk needs that are not its rows, e.g. the neighbouring rows a convolution
+    reads.
     ``rows`` may also return a tuple (out, *extras): then the result is (out, *extras),
     each extra summed over the chunks (a per-row quantity reduced over the rows, e.g. a
     loss term), or with ``concat_extras`` concatenated along dim 2 like the output
@@ -100,14 +105,19 @@ def in_row_chunks(rows: Callable[..., Any], q: torch.Tensor, m: int, *, dropout:
     the recomputation."""
     b, h, n = q.shape[0], q.shape[1], q.shape[2]
     c = rows_per_chunk(b, h, m)
+    starts = range(0, n, c)
+    if chunk_inputs and len(chunk_inputs) != len(starts):
+        raise ValueError(f"in_row_chunks got chunk_inputs for {len(chunk_inputs)} chunks, "
+                         f"but {n} rows make {len(starts)} chunks of {c}")
     if c >= n:
-        return rows(0, q, *row_inputs)
+        return rows(0, q, *row_inputs, *(chunk_inputs[0] if chunk_inputs else ()))
     grad = torch.is_grad_enabled()
-    cuts = [q.split(c, dim=2)] + [(None,) * len(range(0, n, c)) if x is None
+    cuts = [q.split(c, dim=2)] + [(None,) * len(starts) if x is None
                                   else x.split(c, dim=2) for x in row_inputs]
     parts = []
-    for i, r0 in enumerate(range(0, n, c)):
+    for i, r0 in enumerate(starts):
         args = [cut[i] for cut in cuts]  # q_rows [b,h,c,d], then the row inputs' rows
+        args += chunk_inputs[i] if chunk_inputs else ()
         if grad:
             parts.append(checkpoint(rows, r0, *args, use_reentrant=False,
                                     preserve_rng_state=dropout))

@@ -30,10 +30,9 @@ from ..core import (
     HeadDims,
     MechanismConfig,
     check_qkv,
-    masked_softmax,
     register_mechanism,
 )
-from ._rowchunks import allowed_pairs
+from ._rowchunks import allowed_pairs, attend_rows, draws_dropout, in_row_chunks, rows_per_chunk
 from .dense import Softmax, SoftmaxConfig
 from .priors import ResidualScores, lower_entry
 
@@ -106,6 +105,11 @@ class Predictive(nn.Module):
     Deviations: the formula as stated above (alpha weighs the dot product); the paper's
     exact mixing and any residual term around the convolution are not reproduced.
     ``need_weights`` returns the probabilities; ``ctx.dropout`` applies to them in training.
+    Memory: without ``need_weights`` the query rows run in chunks under activation
+    checkpoints (``_rowchunks``); each chunk gets its rows of S_{l-1} and the rows around
+    them that the kernel reads (one ``index_select``), and returns its rows of S_l. Training
+    then keeps S_l, which the next layer reads, and none of the softmax's [b,h,n,m]
+    tensors or the prediction.
     """
 
     example: ClassVar[str] = "predictive(alpha=0.5, kernel=3)"
@@ -120,38 +124,104 @@ class Predictive(nn.Module):
         h = dims.num_heads
         self.conv = nn.Conv2d(h, h, cfg.kernel)  # weight [h,h,k,k], bias [h]
 
-    def predict(self, lower: torch.Tensor, causal: bool) -> torch.Tensor:
-        """Conv2d over the lower scores [b,h,n,m] (masked pairs 0) -> [b,h,n,m]."""
+    def halo(self, causal: bool) -> tuple[int, int]:
+        """(rows above, rows below) of the lower map that one output row's kernel reads."""
         k = self.cfg.kernel
-        half = k // 2
-        rows = (k - 1, 0) if causal else (half, half)  # causal: queries i-k+1..i only
-        x = F.pad(lower, (half, half, *rows))  # [b,h,n+k-1,m+k-1]
+        return (k - 1, 0) if causal else (k // 2, k // 2)  # causal: queries i-k+1..i only
+
+    def predict(self, lower: torch.Tensor, above: torch.Tensor | None,
+                below: torch.Tensor | None) -> torch.Tensor:
+        """Conv2d over rows of the lower scores [b,h,c,m] (masked pairs 0) -> [b,h,c,m]:
+        ``above`` [b,h,t,m] and ``below`` [b,h,u,m] are the lower map's rows around them
+        (``halo``; rows beyond the map are 0, the convolution's zero padding), None for
+        none."""
+        half = self.cfg.kernel // 2
+        x = torch.cat([t.to(lower.dtype) for t in (above, lower, below) if t is not None],
+                      dim=2)
+        x = F.pad(x, (half, half))  # [b,h,t+c+u,m+k-1]
         bias = self.conv.bias
         assert bias is not None  # nn.Conv2d built with its default bias=True
         return F.conv2d(x, self.conv.weight.to(x.dtype), bias.to(x.dtype))
 
+    def halos(self, lower: torch.Tensor, causal: bool, rows: int
+              ) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
+        """Per chunk of ``rows`` query rows (from row 0): the lower map's rows above and
+        below it that the kernel reads (``halo``), 0 beyond the map. All are gathered by one
+        ``index_select``, whose backward writes the lower map's gradient once."""
+        n = lower.shape[2]
+        top, bottom = self.halo(causal)
+        index = []
+        for r0 in range(0, n, rows):
+            r1 = min(r0 + rows, n)
+            index += list(range(r0 - top, r0)) + list(range(r1, r1 + bottom))
+        if not index:
+            return [(None, None)] * len(range(0, n, rows))
+        idx = torch.tensor(index, device=lower.device)
+        inside = ((idx >= 0) & (idx < n)).to(lower.dtype)[:, None]  # [t,1]
+        rows_around = lower.index_select(2, idx.clamp(0, n - 1)) * inside  # [b,h,t,m]
+        cuts = rows_around.split(top + bottom, dim=2)
+        return [(cut[:, :, :top] if top else None, cut[:, :, top:] if bottom else None)
+                for cut in cuts]
+
+    def _rows(self, first_row: int, num_queries: int, q: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor, ctx: AttnContext, lower: torch.Tensor | None,
+              above: torch.Tensor | None, below: torch.Tensor | None, keep_scores: bool
+              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """(out [b,h,c,dv], S_l with unseen pairs 0 [b,h,c,m] or None, probabilities
+        [b,h,c,m]) of query rows first_row .. of num_queries (q [b,h,c,d]: those rows;
+        lower: their rows of S_{l-1}, or None for plain scores; above, below: its rows
+        around them)."""
+        scores = (q @ k.transpose(-1, -2)) * ctx.scale_for(q.shape[-1])  # [b,h,c,m]
+        if lower is not None:
+            pred = self.predict(lower.to(scores.dtype), above, below)  # [b,h,c,m]
+            scores = self.cfg.alpha * scores + (1.0 - self.cfg.alpha) * pred
+        out, probs = attend_rows(scores, v, ctx, self.training, first_row, num_queries)
+        stored = None
+        if keep_scores:
+            keep = allowed_pairs(ctx, scores.shape, q.device, first_row, num_queries)
+            if ctx.key_mask is not None and num_queries == k.shape[-2]:  # padded query rows
+                rows = ctx.key_mask[:, first_row:first_row + q.shape[2]]
+                keep = keep & rows[:, None, :, None].to(torch.bool)
+            stored = scores.masked_fill(~keep, 0.0)
+        return out, stored, probs
+
     def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
         check_qkv(q, k, v, self.dims)
-        n, m = q.shape[-2], k.shape[-2]
-        scores = (q @ k.transpose(-1, -2)) * ctx.scale_for(q.shape[-1])  # [b,h,n,m]
-        allowed = allowed_pairs(ctx, scores.shape, q.device)  # [b,h,n,m]
+        b, h, n, _ = q.shape
+        m = k.shape[-2]
         prev: ResidualScores | None = lower_entry(ctx.state, PREDICTIVE_STATE_KEY,
                                                   "predictive", ctx.layer_idx, "scores")
+        lower = None
         if prev is not None:
-            _same_shape("predictive", ctx.layer_idx, "lower scores [b,h,n,m]", scores.shape,
-                        prev.scores.shape, prev.layer_idx)
+            _same_shape("predictive", ctx.layer_idx, "lower scores [b,h,n,m]",
+                        torch.Size((b, h, n, m)), prev.scores.shape, prev.layer_idx)
             if self.cfg.alpha < 1.0:
-                pred = self.predict(prev.scores.to(scores.dtype), ctx.causal)  # [b,h,n,m]
-                scores = self.cfg.alpha * scores + (1.0 - self.cfg.alpha) * pred
-        if ctx.state is not None:
-            keep = allowed
-            if ctx.key_mask is not None and n == m:  # padded query rows too
-                keep = keep & ctx.key_mask[:, None, :, None].to(torch.bool)
-            ctx.state[PREDICTIVE_STATE_KEY] = ResidualScores(
-                scores.masked_fill(~keep, 0.0), ctx.layer_idx)
-        probs = masked_softmax(scores, allowed)  # [b,h,n,m]
-        out = _dropout(probs, ctx, self.training) @ v.to(probs.dtype)  # [b,h,n,dv]
-        return AttnOutput(out, probs if ctx.need_weights else None)
+                lower = prev.scores
+        keep = ctx.state is not None
+        if ctx.need_weights:
+            around = self.halos(lower, ctx.causal, n)[0] if lower is not None else (None, None)
+            out, scores, probs = self._rows(0, n, q, k, v, ctx, lower, *around, keep)
+        else:  # query rows in checkpointed chunks (_rowchunks): of the [b,h,n,m] tensors
+            # training keeps only S_l, which the next layer reads
+            probs = None
+            rows = rows_per_chunk(b, h, m)
+            around = (self.halos(lower, ctx.causal, rows) if lower is not None
+                      else [(None, None)] * len(range(0, n, rows)))
+
+            def chunk(r0: int, q_rows: torch.Tensor, lower_rows: torch.Tensor | None,
+                      above: torch.Tensor | None, below: torch.Tensor | None):
+                out, stored, _ = self._rows(r0, n, q_rows, k, v, ctx, lower_rows, above,
+                                            below, keep)
+                return (out, stored) if keep else out
+
+            result = in_row_chunks(chunk, q, m, dropout=draws_dropout(ctx, self.training),
+                                   row_inputs=(lower,), chunk_inputs=around,
+                                   concat_extras=True)
+            out, scores = result if keep else (result, None)
+        if keep:
+            assert ctx.state is not None and scores is not None
+            ctx.state[PREDICTIVE_STATE_KEY] = ResidualScores(scores, ctx.layer_idx)
+        return AttnOutput(out, probs)
 
 
 # ------------------------------------------------------------------------------- lazyformer
