@@ -138,3 +138,23 @@ def test_sparse_path_equals_the_dense_one(top_k, n, m, causal, monkeypatch):
     for a, b in zip(*got, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert got[0][0][2].abs().max() == 0
+
+
+def test_training_keeps_no_gathered_edge_rows():
+    """The chosen edges' rows of k, v and the key half of the predictor ([b,h,n,k,*] each)
+    are gathered again in the backward (a checkpoint), not kept: nothing of 5 dims is
+    saved, and the gradients still reach q, k, v and the predictor."""
+    mech = build("sac(k=4, hidden=6)").train()
+    q, k, v = (t.requires_grad_() for t in qkv(n=32, seed=3))
+    shapes = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = mech(q, k, v, attnlab.AttnContext()).out
+    assert shapes and not [s for s in shapes if len(s) == 5]
+    out.square().sum().backward()
+    for t in (q, k, v, *mech.parameters()):
+        assert t.grad is not None and t.grad.abs().sum() > 0

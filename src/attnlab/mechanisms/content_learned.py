@@ -12,6 +12,7 @@ from typing import ClassVar, Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ..core import (
     AttnContext,
@@ -105,7 +106,8 @@ class SAC(nn.Module):
     Complexity (scoring every candidate edge): O(n*m*(d + hidden)) time; memory O(n*k*(d +
     hidden)) without ``need_weights`` (``sparse_forward``: the edges scored in chunks of
     queries without gradient, the predictor recomputed with gradient on the k chosen edges,
-    the only ones the gate passes a gradient to), O(n*m*hidden) with it.
+    the only ones the gate passes a gradient to; the chosen edges' gathered rows are
+    recomputed in the backward under an activation checkpoint), O(n*m*hidden) with it.
     Padding: padded keys are never chosen nor attended; a row with no valid key gives zeros.
     Causal: candidates restricted to j <= i before the top-k (scores of (i, j) depend on q_i
     and k_j only, so nothing leaks). Deviations: MLP predictor only (no LSTM); 16-bit inputs
@@ -179,20 +181,29 @@ class SAC(nn.Module):
         idx = self.select_edges(hq, hk, allowed)  # [b,h,n,kk]
         kk = idx.shape[-1]
         ok = allowed.expand(b, h, n, m).gather(3, idx)  # chosen and allowed [b,h,n,kk]
+        drop = self.training and ctx.dropout > 0
 
         def rows(x: torch.Tensor) -> torch.Tensor:  # x [b,h,m,e] -> chosen rows [b,h,n,kk,e]
             flat = idx.reshape(b, h, n * kk, 1).expand(-1, -1, -1, x.shape[-1])
             return x.gather(2, flat).view(b, h, n, kk, x.shape[-1])
 
-        scores = torch.einsum("bhnd,bhnkd->bhnk", q, rows(k)) * ctx.scale_for(d)
-        probs = masked_softmax(scores, ok)  # [b,h,n,kk]
-        hid = torch.relu(hq[..., None, :] + rows(hk))  # [b,h,n,kk,H]
-        e = F.linear(hid, self.w_out.weight.to(q.dtype), self.w_out.bias.to(q.dtype))[..., 0]
-        s = torch.sigmoid(e)  # [b,h,n,kk]
-        gate = ok.to(s.dtype) + s - s.detach()  # value M, gradient d s
-        p = (F.dropout(probs, ctx.dropout, training=True) if self.training and ctx.dropout > 0
-             else probs)
-        return torch.einsum("bhnk,bhnke->bhne", p * gate, rows(v))
+        def edges(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hq: torch.Tensor,
+                  hk: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor) -> torch.Tensor:
+            scores = torch.einsum("bhnd,bhnkd->bhnk", q, rows(k)) * ctx.scale_for(d)
+            probs = masked_softmax(scores, ok)  # [b,h,n,kk]
+            hid = torch.relu(hq[..., None, :] + rows(hk))  # [b,h,n,kk,H]
+            e = F.linear(hid, w2.to(q.dtype), b2.to(q.dtype))[..., 0]
+            s = torch.sigmoid(e)  # [b,h,n,kk]
+            gate = ok.to(s.dtype) + s - s.detach()  # value M, gradient d s
+            p = F.dropout(probs, ctx.dropout, training=True) if drop else probs
+            return torch.einsum("bhnk,bhnke->bhne", p * gate, rows(v))  # [b,h,n,dv]
+
+        args = (q, k, v, hq, hk, self.w_out.weight, self.w_out.bias)
+        if not torch.is_grad_enabled():
+            return edges(*args)
+        # the chosen rows of k, v and hk ([b,h,n,kk,*] each) are gathered again in the
+        # backward instead of kept: training keeps q, k, v, hq, hk and the indices
+        return checkpoint(edges, *args, use_reentrant=False, preserve_rng_state=drop)
 
     def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
         check_qkv(q, k, v, self.dims)
