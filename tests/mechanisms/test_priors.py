@@ -105,3 +105,84 @@ def test_caps_and_spec():
     assert resolve_config("realformer") == resolve_config("realformer()")
     with pytest.raises(RegistryError, match="unknown parameter"):
         resolve_config("realformer(alpha=1)")
+
+
+# ------------------------------------------------- the factored form (ResidualFactors)
+
+FACTORED_TOL = {"atol": 1e-5, "rtol": 1e-5}  # SDPA over the factors: reassociated sums
+
+
+def run_stack(inputs, need_weights=(), **ctx_kw):
+    """Layers 0.. of realformer sharing one state; (outputs, probs or None, state)."""
+    state: dict = {}
+    results = [build()(q, k, v, attnlab.AttnContext(layer_idx=i, state=state,
+                                                    need_weights=i in need_weights,
+                                                    **ctx_kw))
+               for i, (q, k, v) in enumerate(inputs)]
+    return [r.out for r in results], [r.probs for r in results], state
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_factored_stack_equals_the_explicit_one(monkeypatch, causal):
+    """Factors up to 2 head dims wide: layers 0-1 factored, layer 2 explicit from the
+    factors' product, layer 3 explicit. Outputs, the scores passed up and the gradients of
+    every layer's q, k, v equal the all-explicit stack's; padding and a causal mask."""
+    from attnlab.mechanisms import priors
+
+    key_mask = torch.arange(11)[None, :] < torch.tensor([11, 6])[:, None]
+    results = []
+    for factored in (True, False):
+        monkeypatch.setattr(priors, "FACTORED_MIN_SCORES", 1 if factored else 10**9)
+        monkeypatch.setattr(priors, "FACTORED_MAX_WIDTH", 2)
+        inputs = [tuple(x.requires_grad_() for x in rand(11, seed=s)) for s in range(4)]
+        outs, _, state = run_stack(inputs, key_mask=key_mask, causal=causal)
+        entries = state[REALFORMER_STATE_KEY]
+        assert isinstance(entries, priors.ResidualScores)
+        g = torch.Generator().manual_seed(1)
+        loss = sum((o * torch.randn(o.shape, generator=g)).sum() for o in outs)
+        leaves = [x for qkv in inputs for x in qkv]
+        results.append((outs, entries.scores, torch.autograd.grad(loss, leaves)))
+    (outs_a, s_a, g_a), (outs_b, s_b, g_b) = results
+    for a, b in zip([*outs_a, s_a, *g_a], [*outs_b, s_b, *g_b], strict=True):
+        torch.testing.assert_close(a, b, **FACTORED_TOL)
+
+
+def test_factored_layers_pass_factors_and_weights_come_from_their_product(monkeypatch):
+    """Layers 0-1 pass ResidualFactors up ([b,h,n,d] then [b,h,n,2d]); a layer asked for
+    weights computes S_1 from them and returns the explicit stack's probabilities."""
+    from attnlab.mechanisms import priors
+
+    monkeypatch.setattr(priors, "FACTORED_MIN_SCORES", 1)
+    inputs = [rand(9, seed=s) for s in range(3)]
+    state: dict = {}
+    widths = []
+    for i, (q, k, v) in enumerate(inputs[:2]):
+        build()(q, k, v, attnlab.AttnContext(layer_idx=i, state=state))
+        entry = state[REALFORMER_STATE_KEY]
+        assert isinstance(entry, priors.ResidualFactors)
+        widths.append(entry.queries.shape[-1])
+    assert widths == [D, 2 * D]
+    q, k, v = inputs[2]
+    res = build()(q, k, v, attnlab.AttnContext(layer_idx=2, state=state, need_weights=True))
+    bias = raw_scores(*inputs[0][:2]) + raw_scores(*inputs[1][:2])
+    ref, probs = attnlab.reference_attention(q, k, v, bias=bias)
+    torch.testing.assert_close(res.out, ref, **FACTORED_TOL)
+    torch.testing.assert_close(res.probs, probs, **FACTORED_TOL)
+
+
+def test_factored_training_keeps_no_score_map():
+    """At n = 1024 (factored by default) two layers in training keep under a tenth of one
+    [b, h, n, n] float32 tensor; the explicit form keeps S_l and more."""
+    n = 1024
+    inputs = [tuple(x.requires_grad_() for x in rand(n, seed=s)) for s in range(2)]
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        outs, _, _ = run_stack(inputs)
+    assert sum(seen.values()) < B * H * n * n * 4 / 10
+    (g,) = torch.autograd.grad(outs[1].square().sum(), inputs[0][0])
+    assert g.abs().sum() > 0  # layer 1 depends on layer 0's queries through the factors

@@ -15,7 +15,7 @@ recomputation (``attnlab.hf.backend.Replay``), so these mechanisms need nothing 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar, NamedTuple
 
 import torch
@@ -31,9 +31,15 @@ from ..core import (
     register_mechanism,
 )
 from ._rowchunks import attend_rows, draws_dropout, in_row_chunks
+from .dense import Softmax, SoftmaxConfig
 
-# Key of the residual-score entry in ``AttnContext.state``; the value is a ResidualScores.
+# Key of the residual-score entry in ``AttnContext.state``; the value is a ResidualScores or
+# a ResidualFactors.
 REALFORMER_STATE_KEY = "realformer.scores"
+# The factored form (``factored_fits``): from 512 x 512 scores per head, and while the
+# factors are at most 8 head dims wide (8 realformer layers of equal head dims).
+FACTORED_MIN_SCORES = 1 << 18
+FACTORED_MAX_WIDTH = 8
 
 
 class ResidualScores(NamedTuple):
@@ -41,6 +47,20 @@ class ResidualScores(NamedTuple):
 
     scores: torch.Tensor
     layer_idx: int
+
+
+class ResidualFactors(NamedTuple):
+    """The same scores as a product, S = queries @ keys^T: queries [b,h,n,w] and keys
+    [b,h,m,w] are every realformer layer's q * scale and k so far, concatenated (w = the
+    sum of their head dims), and the last of those layers."""
+
+    queries: torch.Tensor
+    keys: torch.Tensor
+    layer_idx: int
+
+    def scores(self) -> torch.Tensor:
+        """S [b,h,n,m]."""
+        return self.queries @ self.keys.transpose(-1, -2)
 
 
 def lower_entry(state: dict[str, Any] | None, key: str, name: str, layer_idx: int,
@@ -65,25 +85,36 @@ def lower_entry(state: dict[str, Any] | None, key: str, name: str, layer_idx: in
 
 def previous_scores(
     state: dict[str, Any] | None, layer_idx: int, shape: torch.Size
-) -> torch.Tensor | None:
-    """The previous realformer layer's scores from ``state`` (None at the first layer).
+) -> ResidualScores | ResidualFactors | None:
+    """The previous realformer layer's entry from ``state`` (None at the first layer).
 
     Raises ValueError when the entry comes from this or a later layer (a state dict reused
     across forward passes, or two realformer groups in one layer) or has another shape
     (the heads or lengths differ between layers).
     """
-    prev: ResidualScores | None = lower_entry(state, REALFORMER_STATE_KEY, "realformer",
-                                              layer_idx, "residual scores")
+    prev: ResidualScores | ResidualFactors | None = lower_entry(
+        state, REALFORMER_STATE_KEY, "realformer", layer_idx, "residual scores")
     if prev is None:
         return None
-    if prev.scores.shape != shape:
+    if isinstance(prev, ResidualFactors):
+        got = torch.Size((*prev.queries.shape[:3], prev.keys.shape[2]))
+    else:
+        got = prev.scores.shape
+    if got != shape:
         raise ValueError(
             f"realformer at layer {layer_idx} has scores of shape [b,h,n,m]={list(shape)} "
-            f"but layer {prev.layer_idx} passed up {list(prev.scores.shape)}; residual "
+            f"but layer {prev.layer_idx} passed up {list(got)}; residual "
             "attention needs the same heads and lengths in every realformer layer "
             "(put it on all heads of the layers, with equal head counts)"
         )
-    return prev.scores
+    return prev
+
+
+def factored_fits(n: int, m: int, width: int, head_dim: int) -> bool:
+    """Whether a realformer layer runs on the factors (``ResidualFactors``): for inputs of
+    at least ``FACTORED_MIN_SCORES`` scores per head and factors at most
+    ``FACTORED_MAX_WIDTH`` head dims wide (their product's cost grows with the width)."""
+    return n * m >= FACTORED_MIN_SCORES and width <= FACTORED_MAX_WIDTH * head_dim
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,11 +131,20 @@ class RealFormer(nn.Module):
     Formula: S_l = Q K^T / sqrt(d) + S_{l-1}; out = softmax(S_l + mask) V, where S_{l-1}
     is the previous realformer layer's pre-softmax score (itself residual). The first
     realformer layer of a forward pass (no entry in ``ctx.state``, or ``state`` None) is
-    plain softmax attention. Complexity O(n*m) time and memory (scores are materialised:
-    the next layer needs them). Without ``need_weights`` the rows run in chunks under
-    activation checkpoints (``_rowchunks``), so training keeps S_l (which the next layer
-    reads) and none of the softmax's [b, h, n, m] tensors.
-    Cross-layer state: the raw, un-masked (finite) S_l is stored in
+    plain softmax attention. Complexity O(n*m) time.
+    Two forms, the same S_l: S_l is a sum of products, sum_{i <= l} (Q_i s_i) K_i^T (s_i
+    each layer's scale), so it is also [Q_1 s_1, .., Q_l s_l] [K_1, .., K_l]^T.
+      * factored (``ResidualFactors``): for inputs of at least 512 x 512 scores per head,
+        without ``need_weights``, while the concatenated factors are at most 8 head dims
+        wide (``factored_fits``): SDPA over the concatenated queries and keys (the flash
+        kernel on the CPU), the factors passed up; memory O((n + m) * w), no [b,h,n,m]
+        tensor kept. Past 8 layers the next layer computes S_{l-1} from the factors and
+        continues explicit.
+      * explicit (``ResidualScores``): S_l materialised and passed up. Without
+        ``need_weights`` the rows run in chunks under activation checkpoints
+        (``_rowchunks``), so training keeps S_l (which the next layer reads) and none of
+        the softmax's [b, h, n, m] tensors.
+    Cross-layer state: the raw, un-masked (finite) S_l, in either form, is stored in
     ``ctx.state["realformer.scores"]`` with the layer index; the next layer checks that
     the shape matches and raises a clear error otherwise. Masks (padding, causal) are
     applied after the addition, so masked pairs never carry -inf up the stack. Gradients
@@ -124,6 +164,7 @@ class RealFormer(nn.Module):
     def __init__(self, cfg: RealFormerConfig, dims: HeadDims) -> None:
         super().__init__()
         self.cfg, self.dims = cfg, dims
+        self.softmax = Softmax(SoftmaxConfig(), dims)  # no parameters: the factored form
 
     def _rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext,
               prev: torch.Tensor | None, first_row: int, num_queries: int
@@ -138,8 +179,14 @@ class RealFormer(nn.Module):
 
     def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
         check_qkv(q, k, v, self.dims)
-        n, m = q.shape[-2], k.shape[-2]
-        prev = previous_scores(ctx.state, ctx.layer_idx, torch.Size((*q.shape[:2], n, m)))
+        n, m, d = q.shape[-2], k.shape[-2], q.shape[-1]
+        entry = previous_scores(ctx.state, ctx.layer_idx, torch.Size((*q.shape[:2], n, m)))
+        if not ctx.need_weights and not isinstance(entry, ResidualScores):
+            width = d + (0 if entry is None else entry.queries.shape[-1])
+            if factored_fits(n, m, width, d):
+                return self._factored(q, k, v, ctx, entry)
+        prev = entry.scores() if isinstance(entry, ResidualFactors) else (
+            None if entry is None else entry.scores)
         if ctx.need_weights:
             out, scores, probs = self._rows(q, k, v, ctx, prev, 0, n)
         else:  # query rows in checkpointed chunks (_rowchunks): of the [b,h,n,m] tensors
@@ -152,3 +199,19 @@ class RealFormer(nn.Module):
         if ctx.state is not None:
             ctx.state[REALFORMER_STATE_KEY] = ResidualScores(scores, ctx.layer_idx)
         return AttnOutput(out, probs)
+
+    def _factored(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext,
+                  prev: ResidualFactors | None) -> AttnOutput:
+        """S_l = Q K^T * scale + S_{l-1} as one product: [Q_1 s_1, .., Q_l s_l] times
+        [K_1, .., K_l]^T, so softmax(S_l + mask) V runs as SDPA over the concatenated
+        queries and keys at scale 1 and the factors are passed up instead of S_l."""
+        qs = q * ctx.scale_for(q.shape[-1])  # [b,h,n,d]
+        ks = k
+        if prev is not None:
+            qs = torch.cat([prev.queries.to(q.dtype), qs], -1)  # [b,h,n,w]
+            ks = torch.cat([prev.keys.to(k.dtype), k], -1)  # [b,h,m,w]
+        out = self.softmax.train(self.training)(
+            qs, ks, v, replace(ctx, scale=1.0, need_weights=False)).out  # [b,h,n,dv]
+        if ctx.state is not None:
+            ctx.state[REALFORMER_STATE_KEY] = ResidualFactors(qs, ks, ctx.layer_idx)
+        return AttnOutput(out)
