@@ -143,18 +143,18 @@ class Predictive(nn.Module):
         assert bias is not None  # nn.Conv2d built with its default bias=True
         return F.conv2d(x, self.conv.weight.to(x.dtype), bias.to(x.dtype))
 
-    def halos(self, lower: torch.Tensor, causal: bool, rows: int
+    def halos(self, lower: torch.Tensor | None, causal: bool, n: int, rows: int
               ) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
-        """Per chunk of ``rows`` query rows (from row 0): the lower map's rows above and
-        below it that the kernel reads (``halo``), 0 beyond the map. All are gathered by one
-        ``index_select``, whose backward writes the lower map's gradient once."""
-        n = lower.shape[2]
+        """Per chunk of ``rows`` of the n query rows (from row 0): the lower map's rows
+        above and below it that the kernel reads (``halo``), 0 beyond the map; (None, None)
+        without a lower map or rows to read. All are gathered by one ``index_select``, whose
+        backward writes the lower map's gradient once."""
         top, bottom = self.halo(causal)
-        index = []
+        index: list[int] = []
         for r0 in range(0, n, rows):
             r1 = min(r0 + rows, n)
             index += list(range(r0 - top, r0)) + list(range(r1, r1 + bottom))
-        if not index:
+        if lower is None or not index:
             return [(None, None)] * len(range(0, n, rows))
         idx = torch.tensor(index, device=lower.device)
         inside = ((idx >= 0) & (idx < n)).to(lower.dtype)[:, None]  # [t,1]
@@ -199,14 +199,13 @@ class Predictive(nn.Module):
                 lower = prev.scores
         keep = ctx.state is not None
         if ctx.need_weights:
-            around = self.halos(lower, ctx.causal, n)[0] if lower is not None else (None, None)
-            out, scores, probs = self._rows(0, n, q, k, v, ctx, lower, *around, keep)
+            above, below = self.halos(lower, ctx.causal, n, n)[0]
+            out, scores, probs = self._rows(0, n, q, k, v, ctx, lower, above, below, keep)
         else:  # query rows in checkpointed chunks (_rowchunks): of the [b,h,n,m] tensors
             # training keeps only S_l, which the next layer reads
             probs = None
             rows = rows_per_chunk(b, h, m)
-            around = (self.halos(lower, ctx.causal, rows) if lower is not None
-                      else [(None, None)] * len(range(0, n, rows)))
+            around = self.halos(lower, ctx.causal, n, rows)
 
             def chunk(r0: int, q_rows: torch.Tensor, lower_rows: torch.Tensor | None,
                       above: torch.Tensor | None, below: torch.Tensor | None):
