@@ -16,6 +16,7 @@ import re
 import pytest
 import torch
 from plan_step import train_one_step
+from saved import kept_for_backward
 from test_lowrank import mechanism_parameters, round_trip, train_mechanisms
 
 import attnlab
@@ -333,17 +334,12 @@ def test_band_chunks_are_recomputed_with_their_dropout_masks(monkeypatch):
                    .requires_grad_() for i in range(3))
         mech.current_val.grad = None
         torch.manual_seed(3)
-        seen: dict[int, int] = {}
 
-        def pack(t, seen=seen):
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with kept_for_backward() as kept:
             out = mech._band(q, k, v, ctx, span, scale, 0.3)
         out.sum().backward()
         results.append((out.detach(), q.grad, k.grad, v.grad, mech.current_val.grad.clone(),
-                        sum(seen.values())))
+                        kept.bytes))
     for a, b in zip(results[0][:5], results[1][:5], strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
     scores = B * H * n * (64 + 2 * (span - 1)) * 4  # bytes of every chunk's scores

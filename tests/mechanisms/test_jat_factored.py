@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from saved import kept_for_backward
 from test_jat import TOL, build, lengths_mask, naive_jat, qkv
 
 import attnlab
@@ -197,19 +198,10 @@ def test_training_keeps_no_score_tensor(scale, budget):
     A_hat and little more. The dense form kept several."""
     n = 512
     q, k, v = (t.requires_grad_() for t in qkv(2, 3, n, 8, seed=9, scale=scale))
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.layout == torch.strided:
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        else:  # sparse A_hat: its indices and values
-            seen[id(t)] = sum(x.numel() * x.element_size()
-                              for x in (t._indices(), t._values()))
-        return t
 
     mech = build("jat(rho=0.3)").train()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with kept_for_backward() as kept:
         out = mech(q, k, v, attnlab.AttnContext()).out
-    assert sum(seen.values()) < budget * 2 * 3 * n * n * 4
+    assert kept.bytes < budget * 2 * 3 * n * n * 4
     out.sum().backward()
     assert torch.isfinite(q.grad).all()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from plan_step import train_one_step
+from saved import kept_for_backward
 
 import attnlab
 from attnlab.mechanisms.content import SELF_SCORE, LSHConfig, lsh_attention, lsh_buckets
@@ -155,17 +156,12 @@ def test_training_recomputes_the_rounds_with_their_dropout_masks(monkeypatch):
         q, v = qv(n=n, seed=3)
         q.requires_grad_()
         v.requires_grad_()
-        seen: dict[int, int] = {}
-
-        def pack(t, seen=seen):
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
 
         torch.manual_seed(4)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with kept_for_backward() as kept:
             out = mech(q, torch.zeros_like(q), v, attnlab.AttnContext(dropout=0.3)).out
         out.sum().backward()
-        results.append((out.detach(), q.grad, v.grad, sum(seen.values())))
+        results.append((out.detach(), q.grad, v.grad, kept.bytes))
     for a, b in zip(results[0][:3], results[1][:3], strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
     scores = q.shape[0] * 2 * rounds * n * 2 * chunk * 4  # bytes of the window scores

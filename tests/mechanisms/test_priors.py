@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from saved import kept_for_backward
 
 import attnlab
 from attnlab.core import RegistryError, resolve_config
@@ -175,14 +176,9 @@ def test_factored_training_keeps_no_score_map():
     [b, h, n, n] float32 tensor; the explicit form keeps S_l and more."""
     n = 1024
     inputs = [tuple(x.requires_grad_() for x in rand(n, seed=s)) for s in range(2)]
-    seen: dict[int, int] = {}
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with kept_for_backward() as kept:
         outs, _, _ = run_stack(inputs)
-    assert sum(seen.values()) < B * H * n * n * 4 / 10
+    assert kept.bytes < B * H * n * n * 4 / 10
     (g,) = torch.autograd.grad(outs[1].square().sum(), inputs[0][0])
     assert g.abs().sum() > 0  # layer 1 depends on layer 0's queries through the factors

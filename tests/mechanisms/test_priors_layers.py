@@ -18,6 +18,7 @@ import torch
 import transformers
 from conftest import make_tiny_bert
 from plan_step import train_one_step
+from saved import kept_for_backward
 
 import attnlab
 from attnlab import load_pretrained, save_pretrained
@@ -215,15 +216,10 @@ def test_predictive_keeps_the_map_it_passes_up_and_no_more():
     q, k, v = (torch.randn(2, 2, n, 8, requires_grad=True) for _ in range(3))
     prev = torch.randn(2, 2, n, n, requires_grad=True)
     state = {PREDICTIVE_STATE_KEY: ResidualScores(prev, 0)}
-    seen: dict[int, int] = {}
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with kept_for_backward() as kept:
         out = layer(q, k, v, attnlab.AttnContext(layer_idx=1, state=state)).out
-    assert sum(seen.values()) < 1.5 * 2 * 2 * n * n * 4  # prev and a little more
+    assert kept.bytes < 1.5 * 2 * 2 * n * n * 4  # prev and a little more
     out.sum().backward()
     assert prev.grad is not None and prev.grad.abs().sum() > 0
 
@@ -286,15 +282,10 @@ def test_lazyformer_training_keeps_no_map(share_values):
     n = 512
     mech = build(f"lazyformer(share=2, share_values={share_values})").train()
     inputs = [tuple(x.requires_grad_() for x in rand(n, seed=s)) for s in range(2)]
-    seen: dict[int, int] = {}
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with kept_for_backward() as kept:
         outs, _ = run_stack([mech, mech], inputs)
-    assert sum(seen.values()) < B * H * n * n * 4 / 10
+    assert kept.bytes < B * H * n * n * 4 / 10
     (q0, k0, v0), (_, _, v1) = inputs
     probs = torch.softmax(q0 @ k0.transpose(-1, -2) * D**-0.5, -1)  # P_0 [b,h,n,n]
     want = [probs @ v0, probs @ (v0 if share_values else v1)]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from saved import kept_for_backward
 
 import attnlab
 from attnlab.mechanisms import _rowchunks
@@ -107,16 +108,11 @@ def test_training_keeps_less_than_one_score_tensor(spec):
     one [b, h, n, m] float32 tensor (the dense form keeps several)."""
     mech = _build(spec, max_len=1024)
     q, k, v = _inputs(1024, 1024)
-    seen: dict[int, int] = {}
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with kept_for_backward() as kept:
         out = mech(q, k, v, attnlab.AttnContext()).out
     one_scores = 3 * 2 * 1024 * 1024 * 4
-    assert sum(seen.values()) < one_scores / 2
+    assert kept.bytes < one_scores / 2
     out.sum().backward()
     assert torch.isfinite(q.grad).all()
 
@@ -155,13 +151,8 @@ def test_realformer_keeps_the_scores_it_passes_up_and_no_more():
     q, k, v = _inputs(n, n)
     prev = torch.randn(3, 2, n, n, requires_grad=True)
     state = {REALFORMER_STATE_KEY: ResidualScores(prev, 0)}
-    seen: dict[int, int] = {}
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with kept_for_backward() as kept:
         layer(q, k, v, attnlab.AttnContext(layer_idx=1, state=state))
     one_scores = 3 * 2 * n * n * 4
-    assert sum(seen.values()) < 1.5 * one_scores  # prev (an input) and a little more
+    assert kept.bytes < 1.5 * one_scores  # prev (an input) and a little more

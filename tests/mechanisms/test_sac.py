@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from saved import kept_for_backward
 
 import attnlab
 from attnlab.mechanisms.content_learned import SACConfig
@@ -146,15 +147,10 @@ def test_training_keeps_no_gathered_edge_rows():
     saved, and the gradients still reach q, k, v and the predictor."""
     mech = build("sac(k=4, hidden=6)").train()
     q, k, v = (t.requires_grad_() for t in qkv(n=32, seed=3))
-    shapes = []
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        shapes.append(tuple(t.shape))
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with kept_for_backward() as kept:
         out = mech(q, k, v, attnlab.AttnContext()).out
-    assert shapes and not [s for s in shapes if len(s) == 5]
+    assert kept.shapes and not [s for s in kept.shapes if len(s) == 5]
     out.square().sum().backward()
     for t in (q, k, v, *mech.parameters()):
         assert t.grad is not None and t.grad.abs().sum() > 0
