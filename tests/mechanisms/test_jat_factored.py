@@ -124,6 +124,20 @@ def test_dense_links_keep_a_dense_adjacency(monkeypatch):
 # ------------------------------------------------------------------ the whole head
 
 
+def spec_of(kw: dict) -> str:
+    return "jat(" + ", ".join(f"{a}={b!r}" for a, b in kw.items()) + ")"
+
+
+def assert_naive_values_and_grads(out, q, k, v, key_mask, kw):
+    """out and its gradients in q, k, v equal the naive n^3 form's (test_jat.naive_jat)."""
+    ref = naive_jat(q, k, v, key_mask=key_mask, **kw)
+    torch.testing.assert_close(out, ref, **TOL)
+    grad = torch.randn_like(out)
+    for a, r in zip(torch.autograd.grad(out, (q, k, v), grad),
+                    torch.autograd.grad(ref, (q, k, v), grad), strict=True):
+        torch.testing.assert_close(a, r, **TOL)
+
+
 @pytest.mark.parametrize("kw", [
     {"rho": 0.3}, {"rho": 0.3, "order": 2, "coef": 0.3}, {"rho": 0.3, "mode": "replace"},
     {"rho": 0.3, "mask_pads": True}, {"rho": 0.3, "sign": True, "coef": 1.5},
@@ -135,14 +149,8 @@ def test_factored_head_matches_naive_forward_and_grads(monkeypatch, kw, sparse):
     monkeypatch.setattr(jat_module, "_SPARSE_FRACTION", 1.0)
     q, k, v = (t.requires_grad_() for t in mixed_heads(3, 3, 20, 8, seed=4))
     key_mask = lengths_mask([20, 15, 6], 20)
-    spec = "jat(" + ", ".join(f"{a}={b!r}" for a, b in kw.items()) + ")"
-    out = build(spec)(q, k, v, attnlab.AttnContext(key_mask=key_mask)).out
-    ref = naive_jat(q, k, v, key_mask=key_mask, **kw)
-    torch.testing.assert_close(out, ref, **TOL)
-    grad = torch.randn_like(out)
-    for a, r in zip(torch.autograd.grad(out, (q, k, v), grad),
-                    torch.autograd.grad(ref, (q, k, v), grad), strict=True):
-        torch.testing.assert_close(a, r, **TOL)
+    out = build(spec_of(kw))(q, k, v, attnlab.AttnContext(key_mask=key_mask)).out
+    assert_naive_values_and_grads(out, q, k, v, key_mask, kw)
 
 
 @pytest.mark.parametrize("kw", [{"rho": 0.3}, {"rho": 0.3, "order": 2, "mode": "replace"}])
@@ -157,16 +165,10 @@ def test_chunked_rows_with_dropout_match_naive(monkeypatch, kw):
                         lambda *a, **k: chunks.append(1) or rows(*a, **k))
     q, k, v = (t.requires_grad_() for t in mixed_heads(3, 3, 20, 8, seed=6))
     key_mask = lengths_mask([20, 15, 6], 20)
-    spec = "jat(" + ", ".join(f"{a}={b!r}" for a, b in kw.items()) + ")"
-    mech = build(spec).train()
+    mech = build(spec_of(kw)).train()
     out = mech(q, k, v, attnlab.AttnContext(key_mask=key_mask, dropout=1e-9)).out
     assert chunks
-    ref = naive_jat(q, k, v, key_mask=key_mask, **kw)
-    torch.testing.assert_close(out, ref, **TOL)
-    grad = torch.randn_like(out)
-    for a, r in zip(torch.autograd.grad(out, (q, k, v), grad),
-                    torch.autograd.grad(ref, (q, k, v), grad), strict=True):
-        torch.testing.assert_close(a, r, **TOL)
+    assert_naive_values_and_grads(out, q, k, v, key_mask, kw)
 
 
 def test_chunked_rows_redraw_the_same_dropout_in_the_backward(monkeypatch):
