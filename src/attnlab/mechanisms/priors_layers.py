@@ -138,10 +138,13 @@ class Predictive(nn.Module):
         half = self.cfg.kernel // 2
         x = torch.cat([t.to(lower.dtype) for t in (above, lower, below) if t is not None],
                       dim=2)
-        x = F.pad(x, (half, half))  # [b,h,t+c+u,m+k-1]
+        # channels-last: with h channels only, the CPU's oneDNN convolution is several
+        # times faster on this layout than on the default one (same values)
+        x = F.pad(x, (half, half)).contiguous(memory_format=torch.channels_last)
         bias = self.conv.bias
         assert bias is not None  # nn.Conv2d built with its default bias=True
-        return F.conv2d(x, self.conv.weight.to(x.dtype), bias.to(x.dtype))
+        out = F.conv2d(x, self.conv.weight.to(x.dtype), bias.to(x.dtype))  # [b,h,c,m]
+        return out.contiguous()
 
     def halos(self, lower: torch.Tensor | None, causal: bool, n: int, rows: int
               ) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
