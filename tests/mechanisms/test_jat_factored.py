@@ -207,3 +207,18 @@ def test_training_keeps_no_score_tensor(scale, budget):
     assert kept.bytes < budget * 2 * 3 * n * n * 4
     out.sum().backward()
     assert torch.isfinite(q.grad).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_keeps_a_dense_adjacency(monkeypatch, dtype):
+    """torch has no sparse x dense bmm for 16-bit floats on the CPU: A_hat stays dense there
+    and the head runs, forward and backward, close to its float32 result."""
+    monkeypatch.setattr(jat_module, "_SPARSE_MIN_N", 1)
+    q, k, v = mixed_heads(2, 3, 20, 8, seed=11)
+    assert not head_adjacency(q.to(dtype), k.to(dtype), JATConfig(rho=0.3)).is_sparse
+    q16 = q.to(dtype).requires_grad_()
+    out = build("jat(rho=0.3)")(q16, k.to(dtype), v.to(dtype), attnlab.AttnContext()).out
+    out.float().sum().backward()
+    assert q16.grad is not None and torch.isfinite(q16.grad.float()).all()
+    ref = build("jat(rho=0.3)")(q, k, v, attnlab.AttnContext()).out
+    torch.testing.assert_close(out.float(), ref, atol=0.05, rtol=0.05)

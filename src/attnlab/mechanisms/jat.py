@@ -149,17 +149,18 @@ def head_adjacency(
     q, k [b, h, n, d]; valid [b, n] (mask_pads) or None. Each group's S (about
     ``_GROUP_SCORES`` entries) lives only while its A_hat is computed. A_hat is the diagonal
     plus one entry per linked pair (i, j), and is kept by the hops' products for the
-    backward: sparse when at most ``_SPARSE_FRACTION`` of it is nonzero and n >=
-    ``_SPARSE_MIN_N``, else dense. Heads without any link (at initialisation, where the
-    scores are small, every head) have A_hat = I exactly (counts 0, degree 1), which is
-    written as such without the normalisation's passes.
+    backward: sparse when at most ``_SPARSE_FRACTION`` of it is nonzero, n >=
+    ``_SPARSE_MIN_N`` and q is float32 or float64, else dense. Heads without any link (at
+    initialisation, where the scores are small, every head) have A_hat = I exactly (counts
+    0, degree 1), which is written as such without the normalisation's passes.
     """
     b, h, n, d = q.shape
     g = b * h
     qf, kf = q.detach().reshape(g, 1, n, d), k.detach().reshape(g, 1, n, d)
     vf = None if valid is None else valid[:, None, :].expand(b, h, n).reshape(g, 1, n)
     step = max(1, _GROUP_SCORES // (n * n))
-    sparse = n >= _SPARSE_MIN_N
+    # torch's sparse x dense bmm has no half-precision kernel on the CPU: those stay dense
+    sparse = n >= _SPARSE_MIN_N and q.dtype in (torch.float32, torch.float64)
     parts: list[torch.Tensor] = []  # per group: [gc, n, n], dense or COO
     with torch.no_grad():
         for g0 in range(0, g, step):
