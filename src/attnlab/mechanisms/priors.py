@@ -58,7 +58,7 @@ class ResidualFactors(NamedTuple):
     keys: torch.Tensor
     layer_idx: int
 
-    def scores(self) -> torch.Tensor:
+    def product(self) -> torch.Tensor:
         """S [b,h,n,m]."""
         return self.queries @ self.keys.transpose(-1, -2)
 
@@ -185,7 +185,7 @@ class RealFormer(nn.Module):
             width = d + (0 if entry is None else entry.queries.shape[-1])
             if factored_fits(n, m, width, d):
                 return self._factored(q, k, v, ctx, entry)
-        prev = entry.scores() if isinstance(entry, ResidualFactors) else (
+        prev = entry.product() if isinstance(entry, ResidualFactors) else (
             None if entry is None else entry.scores)
         if ctx.need_weights:
             out, scores, probs = self._rows(q, k, v, ctx, prev, 0, n)
