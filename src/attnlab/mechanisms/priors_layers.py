@@ -56,10 +56,6 @@ def _same_shape(name: str, layer_idx: int, what: str, want: torch.Size,
            f"heads and lengths (put it on all heads of its layers, with equal head counts)")
 
 
-def _dropout(probs: torch.Tensor, ctx: AttnContext, training: bool) -> torch.Tensor:
-    return F.dropout(probs, ctx.dropout, training=True) if training and ctx.dropout else probs
-
-
 # ------------------------------------------------------------------------------- predictive
 
 
