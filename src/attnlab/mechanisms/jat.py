@@ -162,6 +162,7 @@ def head_adjacency(
     # torch's sparse x dense bmm has no half-precision kernel on the CPU: those stay dense
     sparse = n >= _SPARSE_MIN_N and q.dtype in (torch.float32, torch.float64)
     parts: list[torch.Tensor] = []  # per group: [gc, n, n], dense or COO
+    nonzero = 0  # of all parts (counted only when A_hat may be kept sparse)
     with torch.no_grad():
         for g0 in range(0, g, step):
             sl = slice(g0, g0 + step)
@@ -173,14 +174,18 @@ def head_adjacency(
                 key_len = key_length(kf[sl])  # [gc, 1, n]
                 if not may_link(scores, key_len, d, cfg.rho, cfg.sign):
                     parts.append(_identity(scores.shape[0], n, q.dtype, q.device, sparse))
+                    nonzero += scores.shape[0] * n
                     continue
                 counts = jump_counts(scores, key_len, d, cfg.rho, cfg.sign, v_sl,
                                      cfg.adjacency)
                 part = normalized_adjacency(counts, v_sl, scores.dtype)
             part = part.view(-1, n, n)  # [gc, n, n]
-            few = sparse and int(part.count_nonzero()) <= _SPARSE_FRACTION * part.numel()
-            parts.append(part.to_sparse() if few else part)
-        nonzero = sum(p._nnz() if p.is_sparse else int(p.count_nonzero()) for p in parts)
+            if sparse:
+                part_nonzero = int(part.count_nonzero())
+                nonzero += part_nonzero
+                if part_nonzero <= _SPARSE_FRACTION * part.numel():
+                    part = part.to_sparse()
+            parts.append(part)
         if not sparse or nonzero > _SPARSE_FRACTION * g * n * n:
             return torch.cat([p.to_dense() for p in parts]).view(b, h, n, n)
         parts = [p if p.is_sparse else p.to_sparse() for p in parts]
