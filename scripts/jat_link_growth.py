@@ -3,7 +3,7 @@
 Trains the `bench lra` encoder (2 layers, hidden 64, 2 heads) with `jat` in every head on
 one repeated random batch of 16 x 512 tokens (AdamW, lr 1e-3, one thread) and prints,
 every ``--every`` steps, the seconds those steps took and how many head groups had a jump
-link (``may_link`` true: the exact counts' sort runs) or none (A_hat = I, no sort).
+link (their counts are computed and normalised) or none (A_hat = I written directly).
 
     python scripts/jat_link_growth.py --steps 60 --every 20
 """
@@ -29,14 +29,14 @@ def main() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     groups = {"linked": 0, "unlinked": 0}
-    may_link = jat.may_link
+    counts_or_none = jat.jump_counts_or_none
 
-    def counted(*a, **kw) -> bool:
-        linked = may_link(*a, **kw)
-        groups["linked" if linked else "unlinked"] += 1
-        return linked
+    def counted(*a, **kw):
+        counts = counts_or_none(*a, **kw)
+        groups["unlinked" if counts is None else "linked"] += 1
+        return counts
 
-    jat.may_link = counted
+    jat.jump_counts_or_none = counted
     model = build_model("jat", "sequence-classification", 10, 32, args.length, 0).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ids = torch.randint(5, 32, (args.batch_size, args.length))

@@ -144,10 +144,10 @@ def test_bert_jat_plan_cuda_matches_cpu():
 
 
 @pytest.mark.parametrize("n", [40, 300])
-@pytest.mark.parametrize("method", ["auto", "direct", "compare", "enumerate"])
+@pytest.mark.parametrize("method", ["auto", "direct", "pairs", "compare", "enumerate"])
 def test_jump_counts_on_cuda_equal_naive_exactly(n, method):
-    """Integer link counts on the GPU (auto = direct for short inputs, the sorted-range
-    path beyond _DIRECT_MAX_N) equal the naive n^3 form evaluated on the same GPU."""
+    """Integer link counts on the GPU (auto = direct for short inputs, candidate pairs or
+    the sorted ranges beyond _DIRECT_MAX_N) equal the naive n^3 form on the same GPU."""
     from attnlab.mechanisms._jat_adjacency import jump_counts, key_length, naive_jump_counts
 
     g = torch.Generator().manual_seed(n)

@@ -18,6 +18,7 @@ import attnlab
 from attnlab.mechanisms._jat_adjacency import (
     jump_counts,
     key_length,
+    link_census,
     naive_adjacency,
     naive_jump_counts,
     normalized_adjacency,
@@ -129,7 +130,7 @@ def near_tie_scores(n, d, rho, seed):
     return x, lk
 
 
-@pytest.mark.parametrize("method", ["enumerate", "compare", "direct", "auto"])
+@pytest.mark.parametrize("method", ["pairs", "enumerate", "compare", "direct", "auto"])
 @pytest.mark.parametrize("sign", [False, True])
 @pytest.mark.parametrize("pads", [False, True])
 def test_counts_equal_naive_exactly(method, sign, pads):
@@ -150,7 +151,7 @@ def test_counts_equal_naive_exactly(method, sign, pads):
         assert torch.equal(got.long(), ref), (n, rho, kind)
 
 
-@pytest.mark.parametrize("method", ["enumerate", "compare", "direct"])
+@pytest.mark.parametrize("method", ["pairs", "enumerate", "compare", "direct"])
 @pytest.mark.parametrize("sign", [False, True])
 def test_counts_exact_at_last_ulp(method, sign):
     """Values within 3 ulps of the threshold: the real-number cut would get some wrong."""
@@ -172,7 +173,8 @@ def test_counts_exact_at_last_ulp(method, sign):
 @pytest.mark.parametrize("cmp_chunk", [700, 6000])
 def test_counts_exact_across_dtypes_backends_and_chunks(monkeypatch, numpy_on_cpu, dtype,
                                                         cmp_chunk):
-    """The torch path (other devices, bf16), numpy's, and tiny chunks: same integers.
+    """The torch path (other devices, bf16), numpy's, and tiny chunks (``_ENUM_CHUNK`` also
+    cuts the candidate pairs): same integers.
     cmp_chunk 700 < 14^3: row blocks of one head; 6000: blocks of 2 whole heads (for the
     compare and the direct counters alike)."""
     from attnlab.mechanisms import _jat_adjacency as adj
@@ -187,7 +189,7 @@ def test_counts_exact_across_dtypes_backends_and_chunks(monkeypatch, numpy_on_cp
     valid = lengths_mask([14, 9], 14)[:, None, :]
     for rho, sign in [(0.5, False), (0.25, True), (-0.5, True)]:
         ref = naive_jump_counts(s, lk, 4, rho, sign, valid)
-        for method in ("enumerate", "compare", "direct"):
+        for method in ("pairs", "enumerate", "compare", "direct"):
             assert torch.equal(jump_counts(s, lk, 4, rho, sign, valid, method).long(), ref)
 
 
@@ -199,11 +201,56 @@ def test_counts_exact_when_head_dim_is_not_a_power_of_two(d):
         s, lk = q @ k.transpose(-1, -2), key_length(k)
         ns, nlk = near_tie_scores(24, d, rho, seed)
         for sign in (False, True):
-            for method in ("enumerate", "compare", "direct"):
+            for method in ("pairs", "enumerate", "compare", "direct"):
                 ref = naive_jump_counts(s, lk, d, rho, sign)
                 assert torch.equal(jump_counts(s, lk, d, rho, sign, None, method).long(), ref)
                 ref = naive_jump_counts(ns, nlk, d, rho, sign)
                 assert torch.equal(jump_counts(ns, nlk, d, rho, sign, None, method).long(), ref)
+
+
+def test_auto_counts_candidate_pairs_when_sparse_else_sorted_ranges(monkeypatch):
+    """Sparse links: ``auto`` decides them on candidate pairs and sorts nothing; with the
+    pair budget at 0 it takes the sorted ranges; the same integers both ways."""
+    from attnlab.mechanisms import _jat_adjacency as adj
+
+    sorted_calls = []
+    boundaries = adj._boundaries
+    monkeypatch.setattr(adj, "_boundaries",
+                        lambda *a: sorted_calls.append(1) or boundaries(*a))
+    q, k, _ = qkv(2, 3, 40, 8, seed=7, scale=1.5)
+    s, lk = q @ k.transpose(-1, -2), key_length(k)
+    for rho, sign in [(5.0, False), (4.0, True)]:
+        ref = naive_jump_counts(s, lk, 8, rho, sign)
+        assert 0 < int(ref.sum()) < 0.01 * ref.numel() * 40  # sparse (< 1% of triples)
+        sorted_calls.clear()
+        assert torch.equal(jump_counts(s, lk, 8, rho, sign).long(), ref)
+        assert not sorted_calls
+        assert link_census(s[0, 0], lk[0, 0], 8, rho, sign)[1] == "pairs"
+        monkeypatch.setattr(adj, "_PAIRS_PER_SCORE", 0.0)
+        assert torch.equal(jump_counts(s, lk, 8, rho, sign).long(), ref)
+        assert sorted_calls
+        assert link_census(s[0, 0], lk[0, 0], 8, rho, sign)[1] in ("enumerate", "compare")
+        monkeypatch.setattr(adj, "_PAIRS_PER_SCORE", 2.0)
+
+
+@pytest.mark.parametrize("method", ["pairs", "auto", "enumerate"])
+def test_counts_exact_when_products_overflow_or_rho_is_subnormal(method):
+    """float16: S[i,k] S[j,k] past 65504 rounds to inf, a link that the real numbers deny;
+    a rho below the smallest normal float32 is not bounded per column. Both as naive."""
+    n, d, rho = 12, 64, 5.0
+    g = gen(3)
+    s = (torch.rand(1, 1, n, n, generator=g) * 40 + 240) * torch.where(
+        torch.rand(1, 1, n, n, generator=g) < 0.5, -1.0, 1.0)
+    s, lk = s.half(), torch.full((1, 1, n), 300.0).half()  # rho d len_k = 96000 > 65504
+    ref = naive_jump_counts(s, lk, d, rho)
+    real = (s.double()[..., :, None, :] * s.double()[..., None, :, :] / 300 / d) >= rho
+    assert int(ref.sum()) > 0 and not real.any()  # every link is an overflow
+    assert torch.equal(jump_counts(s, lk, d, rho, False, None, method).long(), ref)
+    q, k, _ = qkv(1, 2, 10, 4, seed=4)
+    s, lk = (q @ k.transpose(-1, -2)) * 1e-20, key_length(k)
+    for tiny_rho in (1e-41, 1e-39):
+        ref = naive_jump_counts(s, lk, 4, tiny_rho)
+        assert torch.equal(jump_counts(s, lk, 4, tiny_rho, False, None, method).long(), ref)
 
 
 def test_counts_match_independent_reference_and_official_port():

@@ -65,6 +65,28 @@ def test_may_link_keeps_a_link_exactly_at_the_threshold():
     assert torch.equal(jump_counts(s, lk, 2, rho).long(), naive_jump_counts(s, lk, 2, rho))
 
 
+@pytest.mark.parametrize("method", ["auto", "pairs", "enumerate"])
+def test_counts_or_none_is_none_exactly_when_no_head_links(method):
+    """None (nothing counted or allocated) only without links, at the threshold too;
+    otherwise the counts themselves."""
+    from attnlab.mechanisms._jat_adjacency import jump_counts_or_none
+
+    s = torch.tensor([[[0.5, -0.25], [0.125, 0.0625]]])  # [1, 2, 2] scores
+    lk = torch.ones(1, 2)
+    rho = float(jump_strength(s[0, 0, 0], s[0, 0, 0], lk[0, 0], 2, False))
+    got = jump_counts_or_none(s, lk, 2, rho, method=method)
+    assert got is not None and torch.equal(got.long(), naive_jump_counts(s, lk, 2, rho))
+    assert jump_counts_or_none(s, lk, 2, rho * (1 + 1e-6), method=method) is None
+    for seed in range(12):
+        q, k, _ = qkv(2, 2, 11, 4, seed=seed, scale=[0.05, 0.6, 1.0][seed % 3])
+        s, lk = q @ k.transpose(-1, -2), key_length(k)
+        for rho, sign in [(0.3, False), (0.3, True)]:
+            ref = naive_jump_counts(s, lk, 4, rho, sign)
+            got = jump_counts_or_none(s, lk, 4, rho, sign, method=method)
+            assert (got is None) == (not ref.any())
+            assert got is None or torch.equal(got.long(), ref)
+
+
 def test_may_link_ignores_nan_scores():
     """NaN counts as 0 (the official rule); a NaN must not hide a column's linking value."""
     q, k, _ = qkv(1, 1, 9, 4, seed=2, scale=1.5)

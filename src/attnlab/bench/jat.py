@@ -62,7 +62,7 @@ def measure(
     for the GPU.
 
     form: "efficient" or "naive"; counter: the efficient form's exact link counter
-    (``jat(adjacency=...)``: auto, enumerate, compare or direct). Returns fwd_ms,
+    (``jat(adjacency=...)``: auto, pairs, enumerate, compare or direct). Returns fwd_ms,
     fwdbwd_ms, peak_fwd_mb, peak_mem_mb and, for the efficient form, link_fraction (jump
     links / (b h n^3)) and count_method.
     """
@@ -228,8 +228,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--naive-limit-gb", type=float, default=8.0)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
-    ap.add_argument("--counter", default="auto", choices=["auto", "enumerate", "compare", "direct"],
-                    help="exact link counter of the efficient form (auto: by device and n)")
+    ap.add_argument("--counter", default="auto",
+                    choices=["auto", "pairs", "enumerate", "compare", "direct"],
+                    help="exact link counter of the efficient form (auto: by device, n and "
+                         "the links)")
     ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
     ap.add_argument("--plot", default=None, help="also draw the scaling curves to this PNG")
     args = ap.parse_args(argv)

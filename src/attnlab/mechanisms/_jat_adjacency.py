@@ -7,8 +7,9 @@ jump strength of every pair of queries (i, j) through every key k,
 
 as a [b, h, n, n, n] tensor (zeroed where both scores are negative when ``sign``), keeps
 B_k = 1[U_k >= rho] and averages over k. Here the same integer counts
-C[i, j] = sum_k B_k[i, j] are computed exactly, bit for bit, in O(n^2 log n + min(E, n^3))
-time and O(n^2) memory, where E is the number of jump links.
+C[i, j] = sum_k B_k[i, j] are computed exactly, bit for bit, in O(n^2 + P) time when the
+links are sparse (P candidate pairs, below) and O(n^2 log n + min(E, n^3)) otherwise, in
+O(n^2) memory, where E is the number of jump links.
 
 Why it is exact. For a fixed key k and query i, write a = S[i, k]. The strength, computed
 with the very same float expression as the official code (``jump_strength``), is a
@@ -22,7 +23,20 @@ guess, kept where the predicate confirms it on both sides, and the few it misses
 last-ulp rounding) get a binary search on the predicate. So ties at the threshold and
 rounding are decided exactly as the naive form decides them.
 
-Counting the links from the ranges has two exact back ends:
+Before any sort, the same monotonicity bounds each (i, k) by the column's extreme: the
+strongest partner of a = S[i, k] > 0 is the column's largest score, of a <= 0 its
+smallest, so i can link through k only if the exact predicate holds against that extreme
+(a "candidate"). A linked pair (i, j) through k makes both i and j candidates of column k
+(the strength is symmetric: a * b == b * a in floating point), so the links are found
+among the candidate pairs of each column:
+
+* ``pairs``: evaluate the exact predicate on every pair of candidates of a column; O(n^2)
+  for the bounds and O(P) for the P = sum_k m_k^2 pairs (m_k candidates in column k), no
+  sort. With sparse links, the regime the threshold rho is meant for, P is tiny; ``auto``
+  takes it whenever P <= ``_PAIRS_PER_SCORE`` x the number of scores, else the sorted
+  ranges below.
+
+Counting the links from the sorted ranges has two exact back ends:
 
 * ``enumerate``: list every j of every range (or of its complement, whichever is shorter)
   and ``bincount`` them; O(E) with E <= n^3 / 2. Fast when links are sparse, which is
@@ -52,13 +66,17 @@ from typing import Literal
 import numpy as np
 import torch
 
-CountMethod = Literal["auto", "enumerate", "compare", "direct"]
+CountMethod = Literal["auto", "pairs", "enumerate", "compare", "direct"]
 
 # ``auto`` enumerates links when that lists fewer entries than this fraction of n^3:
 # measured on one core, a listed entry costs 12-18 ns and a comparison 0.7-0.9 ns.
 _ENUM_FRACTION = 0.05
 # Entries per enumeration chunk (int64 arrays of this length are the peak memory).
 _ENUM_CHUNK = 1 << 22
+# ``auto`` counts by candidate pairs when there are at most this many pairs per score entry
+# (g x n x n): measured on one core (n = 256-1024, d = 64), a pair costs ~40 ns, while the
+# sorted ranges cost 90-310 ns per score entry (sort, boundaries, listing the links).
+_PAIRS_PER_SCORE = 2.0
 # Elements per comparison chunk ([rows, n, n] bool, or [heads, n, n, n] for short inputs).
 _CMP_CHUNK = 1 << 19
 # The same off the CPU: GPUs want few large kernels, not cache-sized blocks (not tuned: no
@@ -96,8 +114,9 @@ def jump_strength(
 
 
 def _clean(scores: torch.Tensor) -> torch.Tensor:
+    """Detached scores with NaN -> 0 (infinities kept); one pass."""
     s = scores.detach()
-    return torch.where(torch.isnan(s), torch.zeros((), dtype=s.dtype), s)
+    return torch.nan_to_num(s, nan=0.0, posinf=float("inf"), neginf=float("-inf"))
 
 
 # ------------------------------------------------------------------------ naive reference
@@ -253,10 +272,26 @@ def jump_counts(
     processed in groups of about ``_GROUP`` score entries, which bounds the working memory
     beyond the int32 output to O(_GROUP) whatever the batch.
     """
-    if method not in ("auto", "enumerate", "compare", "direct"):
-        raise ValueError(
-            f"unknown count method {method!r}; use 'auto', 'enumerate', 'compare' or 'direct'"
-        )
+    counts = jump_counts_or_none(scores, key_len, head_dim, rho, sign, valid, method)
+    if counts is None:
+        return torch.zeros(scores.shape, dtype=torch.int32, device=scores.device)
+    return counts
+
+
+def jump_counts_or_none(
+    scores: torch.Tensor,
+    key_len: torch.Tensor,
+    head_dim: int,
+    rho: float,
+    sign: bool = False,
+    valid: torch.Tensor | None = None,
+    method: CountMethod = "auto",
+) -> torch.Tensor | None:
+    """``jump_counts``, or None when no head has a jump link (every count 0): then nothing
+    is allocated, and a caller can write A_hat = I directly."""
+    if method not in ("auto", "pairs", "enumerate", "compare", "direct"):
+        raise ValueError(f"unknown count method {method!r}; use 'auto', 'pairs', 'enumerate', "
+                         "'compare' or 'direct'")
     *batch, n, m = scores.shape
     if n != m:
         raise ValueError(f"jump links need square scores (queries = keys), got {n} x {m}")
@@ -266,16 +301,32 @@ def jump_counts(
     ok = None if valid is None else valid.to(torch.bool).expand(*batch, n).reshape(g, n)
     if method == "direct" or (method == "auto" and direct_applies(x.device, n)):
         return _count_direct(x, lk, head_dim, rho, sign, ok).view(*batch, n, n)
-    counts = torch.zeros(g, n, n, dtype=torch.int32, device=x.device)
+    counts = None  # [g, n, n] int32, allocated at the first head group with a link
+    # with rho <= 0 every pair may link: candidate pairs would be all n^3 triples
+    pairs = method == "pairs" or (method == "auto" and rho >= 1e3 * torch.finfo(x.dtype).tiny)
     step = max(1, _GROUP // max(1, n * n))
     for g0 in range(0, g, step):
         sl = slice(g0, g0 + step)
-        if not may_link(x[sl], lk[sl], head_dim, rho, sign):
+        ok_sl = None if ok is None else ok[sl]
+        if pairs:
+            limit = None if method == "pairs" else _PAIRS_PER_SCORE * x[sl].numel()
+            cand = _candidates(x[sl], lk[sl], head_dim, rho, sign, ok_sl, limit)  # (g, i, k)
+            if cand is not None and not cand[0].numel():
+                continue  # no jump link in these heads: their counts stay 0
+            if counts is None:
+                counts = torch.zeros(g, n, n, dtype=torch.int32, device=x.device)
+            if cand is not None and _count_pairs(counts[sl], x[sl], lk[sl], cand, head_dim,
+                                                 rho, sign, limit):
+                continue
+            del cand  # too many pairs: the sorted ranges
+        elif not may_link(x[sl], lk[sl], head_dim, rho, sign):
             continue  # no jump link in these heads: their counts stay 0, nothing sorted
+        if counts is None:
+            counts = torch.zeros(g, n, n, dtype=torch.int32, device=x.device)
         p, prefix, perm = _boundaries(x[sl], lk[sl], head_dim, rho, sign)  # [gc, k, i]
         empty = None
-        if ok is not None:  # padding key k or padding row i: no links
-            empty = ~(ok[sl, :, None] & ok[sl, None, :])
+        if ok_sl is not None:  # padding key k or padding row i: no links
+            empty = ~(ok_sl[:, :, None] & ok_sl[:, None, :])
         how = method
         if how == "auto":
             size = _enum_size(p, prefix, empty, n)
@@ -284,6 +335,8 @@ def jump_counts(
             counts[sl] = _count_enumerate(p, prefix, perm, empty)
         else:
             counts[sl] = _count_compare(p, prefix, perm, empty)
+    if counts is None:
+        return None
     if ok is not None:
         counts *= ok[:, :, None] & ok[:, None, :]
     return counts.view(*batch, n, n)
@@ -313,6 +366,105 @@ def may_link(scores: torch.Tensor, key_len: torch.Tensor, head_dim: int, rho: fl
     return bool((strongest >= rho).any())
 
 
+def _candidates(x: torch.Tensor, key_len: torch.Tensor, head_dim: int, rho: float,
+                sign: bool, ok: torch.Tensor | None, limit: float | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The (g, i, k) where row i may link to some row through key k (module docstring):
+    three int64 [C] index tensors (head, row i, key k), ordered by column (g, k), then i.
+    None when the entries past the bounds below would make more than ``limit`` pairs
+    (sum over columns of their count squared; those that fail the exact test are few).
+
+    x [g, n, n] clean scores (rows i, columns k), key_len [g, n], ok [g, n] bool or None
+    (padding is never a candidate, as key or as row). The strongest partner of a = S[i, k]
+    in column k is its largest score when a > 0 and its smallest when a <= 0
+    (``jump_strength`` is monotone in b, rounding and ``sign`` included), so a candidate is
+    one where the exact predicate holds against that partner. With rho > 0 the exact test
+    runs only on the entries past a per-column bound on a: |a| >= rho d len_k / |partner|
+    relaxed by 1/16, which holds wherever the predicate does (three roundings of at most
+    2^-8 each, in bfloat16; at most the overflow of a * b to infinity, hence the cap at the
+    dtype's largest value; normal numbers throughout, as rho >= 1e3 x the smallest normal),
+    so the O(n^2) part is two comparisons per score entry.
+    """
+    g, n, _ = x.shape
+    top = x.amax(dim=1, keepdim=True)  # [g, 1, k] each column's largest score
+    low = x.amin(dim=1, keepdim=True)  # [g, 1, k] and its smallest
+    info = torch.finfo(x.dtype)
+    if rho >= 1e3 * info.tiny:  # only a > 0 with top, or a < 0 with low < 0, can link
+        lk = key_len[:, None, :]
+        strongest = torch.maximum(jump_strength(top, top, lk, head_dim, sign),
+                                  jump_strength(low, low, lk, head_dim, sign))
+        if not bool((strongest >= rho).any()):  # as ``may_link``: no column can link
+            none = torch.empty(0, dtype=torch.long, device=x.device)
+            return none, none, none
+        wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+        need = (rho * head_dim) * key_len[:, None, :].to(wide) * (1 - 1 / 16)  # [g, 1, k]
+        need = need.clamp(max=info.max * (1 - 1 / 16))  # a * b past it rounds to inf
+        inf = torch.full((), float("inf"), dtype=wide, device=x.device)
+        hi = torch.where(top > 0, need / top.to(wide), inf).to(x.dtype)
+        lo = -inf if sign else torch.where(low < 0, need / low.to(wide), -inf)
+        near = (x >= hi) | (x <= lo.to(x.dtype))  # a superset of the candidates
+        if limit is not None:
+            per_column = near.sum(dim=1)  # [g, k]
+            if int((per_column * per_column).sum()) > limit:
+                return None  # dense links: the sorted ranges cost less
+        gi, ii, ki = near.nonzero(as_tuple=True)
+    else:  # every entry may link (and subnormal strengths round too coarsely to bound)
+        gi, ii, ki = (t.reshape(-1) for t in torch.meshgrid(
+            *(torch.arange(s, device=x.device) for s in (g, n, n)), indexing="ij"))
+    a = x[gi, ii, ki]  # S[i, k]
+    partner = torch.where(a > 0, top[gi, 0, ki], low[gi, 0, ki])
+    keep = jump_strength(a, partner, key_len[gi, ki], head_dim, sign) >= rho
+    if ok is not None:
+        keep &= ok[gi, ii] & ok[gi, ki]
+    gi, ii, ki = gi[keep], ii[keep], ki[keep]
+    order = torch.argsort((gi * n + ki) * n + ii)  # by column, then row
+    return gi[order], ii[order], ki[order]
+
+
+def _count_pairs(out: torch.Tensor, x: torch.Tensor, key_len: torch.Tensor,
+                 cand: tuple[torch.Tensor, torch.Tensor, torch.Tensor], head_dim: int,
+                 rho: float, sign: bool, limit: float | None) -> bool:
+    """Adds the links among each column's candidates into ``out`` [g, n, n] int32.
+
+    x [g, n, n] clean scores, key_len [g, n], cand from ``_candidates`` (not empty). Every
+    pair (i, j) of candidates of column k (i == j included) is decided by the exact
+    predicate ``jump_strength(S[i, k], S[j, k]) >= rho``; pairs that are not both
+    candidates cannot link (module docstring). Returns False, leaving ``out`` untouched,
+    when the pairs number more than ``limit``. Work and memory: O(pairs) in chunks of
+    about ``_ENUM_CHUNK`` pairs (whole columns).
+    """
+    n = x.shape[-1]
+    dev = x.device
+    gi, ii, ki = cand
+    _, m = torch.unique_consecutive(gi * n + ki, return_counts=True)  # per column [R]
+    ends = (m * m).cumsum(0)  # pairs up to and including each column
+    if limit is not None and int(ends[-1]) > limit:
+        return False
+    a = x[gi, ii, ki]  # S[i, k] of each candidate [C]
+    klen = key_len[gi, ki]  # len_k [C]
+    row = (gi * n + ii) * n  # start of row i of ``out``, flattened [C]
+    start = m.cumsum(0) - m  # first candidate of each column [R]
+    flat = out.view(-1)
+    r0 = 0
+    while r0 < m.numel():  # whole columns, about _ENUM_CHUNK pairs at a time
+        done = int(ends[r0 - 1]) if r0 else 0
+        cut = torch.tensor(done + _ENUM_CHUNK, device=dev)
+        r1 = max(int(torch.searchsorted(ends, cut, right=True)), r0 + 1)
+        mc = m[r0:r1]
+        c0, c1 = int(start[r0]), int(start[r1 - 1] + m[r1 - 1])
+        reps = torch.repeat_interleave(mc, mc)  # size of each candidate's column [Cc]
+        first = torch.repeat_interleave(torch.arange(c0, c1, device=dev), reps,
+                                        output_size=int(ends[r1 - 1]) - done)  # [Pc]
+        offset = (reps.cumsum(0) - reps)[first - c0]  # first pair of ``first`` [Pc]
+        own = torch.repeat_interleave(start[r0:r1], mc)[first - c0]  # its column's start
+        second = own + torch.arange(first.numel(), device=dev) - offset  # [Pc]
+        r0 = r1
+        link = jump_strength(a[first], a[second], klen[first], head_dim, sign) >= rho
+        idx = row[first[link]] + ii[second[link]]  # (g, i, j) of each link, flattened
+        flat.index_put_((idx,), torch.ones_like(idx, dtype=flat.dtype), accumulate=True)
+    return True
+
+
 def _lengths(p: torch.Tensor, prefix: torch.Tensor, empty: torch.Tensor | None, n: int):
     length = torch.where(prefix, p, n - p)  # [g, k, i] size of the linked range
     if empty is not None:
@@ -332,7 +484,7 @@ def link_census(
 
     scores [n, n] (queries x keys; one head), key_len [n] (``key_length(k)``). The links are
     the (k, i, j) with B_k[i, j] = 1, from the same exact ranges as ``jump_counts``; the
-    counter is "direct", "enumerate" or "compare", as ``jump_counts`` decides it for this
+    counter is "direct", "pairs", "enumerate" or "compare", as ``jump_counts`` decides it for this
     head on this device. For benchmarks and diagnostics (the sparsity the threshold gives).
     """
     n = scores.shape[-1]
@@ -342,6 +494,13 @@ def link_census(
     links = int(_lengths(p, prefix, None, n).sum())
     if direct_applies(x.device, n):
         return links, "direct"
+    limit = _PAIRS_PER_SCORE * n * n
+    cand = _candidates(x, lk, head_dim, rho, sign, None, limit) if (
+        rho >= 1e3 * torch.finfo(x.dtype).tiny) else None
+    if cand is not None:
+        _, m = torch.unique_consecutive(cand[0] * n + cand[2], return_counts=True)
+        if int((m * m).sum()) <= limit:
+            return links, "pairs"
     sparse = _enum_size(p, prefix, None, n) <= _ENUM_FRACTION * n**3
     return links, "enumerate" if sparse else "compare"
 

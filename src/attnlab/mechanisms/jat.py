@@ -29,9 +29,9 @@ from ..core import (
 from ..core.reference import masked_softmax
 from ._jat_adjacency import (
     jump_counts,
+    jump_counts_or_none,
     key_length,
     link_census,  # noqa: F401  (public for bench.jat: link sparsity and counter)
-    may_link,
     naive_adjacency,
     naive_jump_counts,
     normalized_adjacency,
@@ -39,7 +39,7 @@ from ._jat_adjacency import (
 from ._rowchunks import attend_rows, in_row_chunks
 from .dense import Softmax, SoftmaxConfig
 
-AdjacencyMethod = Literal["auto", "enumerate", "compare", "direct", "naive"]
+AdjacencyMethod = Literal["auto", "pairs", "enumerate", "compare", "direct", "naive"]
 
 # Scores per group of heads whose adjacency is computed at once (``head_adjacency``).
 _GROUP_SCORES = 1 << 22
@@ -171,13 +171,12 @@ def head_adjacency(
             if cfg.adjacency == "naive":
                 part = jat_adjacency(scores, kf[sl], cfg.rho, cfg.sign, v_sl, "naive")
             else:
-                key_len = key_length(kf[sl])  # [gc, 1, n]
-                if not may_link(scores, key_len, d, cfg.rho, cfg.sign):
+                counts = jump_counts_or_none(scores, key_length(kf[sl]), d, cfg.rho, cfg.sign,
+                                             v_sl, cfg.adjacency)
+                if counts is None:  # no link in these heads
                     parts.append(_identity(scores.shape[0], n, q.dtype, q.device, sparse))
                     nonzero += scores.shape[0] * n
                     continue
-                counts = jump_counts(scores, key_len, d, cfg.rho, cfg.sign, v_sl,
-                                     cfg.adjacency)
                 part = normalized_adjacency(counts, v_sl, scores.dtype)
             part = part.view(-1, n, n)  # [gc, n, n]
             if sparse:
@@ -345,10 +344,11 @@ class JumpSelfAttention(nn.Module):
     drawing from the stream at eval, as the official code does; not deterministic).
 
     Complexity: the official code materialises B as [b, h, n, n, n]. Here A is exact (the
-    same integer counts, tested bit for bit) in O(n^2 log n + min(E, n^3)) time and
-    O(n^2) memory, E = number of jump links; a head whose scores cannot reach rho (checked
-    exactly on each key's extreme scores; every head at initialisation) has A = I and skips
-    the O(n^2 log n) sort. J costs O(M n^2 d). Probsparse: O(n^2 d + u^3).
+    same integer counts, tested bit for bit) in O(n^2 + P) time when links are sparse, P
+    the pairs of rows that can link through a shared key (bounded exactly by each key's
+    extreme scores, no sort), else O(n^2 log n + min(E, n^3)), E = number of jump links;
+    O(n^2) memory. A head whose scores cannot reach rho (every head at initialisation) has
+    A = I. J costs O(M n^2 d). Probsparse: O(n^2 d + u^3).
     Memory kept for the backward (dense variant, no ``need_weights``): S~ = (1 - c) S + c J
     is the product Q~ K~^T of Q~ = [(1 - c) Q, c A Q, ..., c A^M Q] and
     K~ = [K, A K, ..., A^M K], so step 7 runs as SDPA over Q~, K~ (the flash kernel on the
