@@ -51,7 +51,17 @@ def test_state_none_is_plain_softmax():
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_three_stacked_layers_equal_manual_computation(causal):
+@pytest.mark.parametrize("form", ["explicit", "default"])
+def test_three_stacked_layers_equal_manual_computation(monkeypatch, causal, form):
+    """The default at this length is the factored form (widths d, 2d, 3d): the scores
+    passed up are then the factors' product, equal up to reassociated sums."""
+    from attnlab.mechanisms import priors
+
+    tol = TOL
+    if form == "explicit":
+        monkeypatch.setattr(priors, "FACTORED_SHORT_WIDTH", 0)
+    else:
+        tol = FACTORED_TOL
     layers = [build() for _ in range(3)]
     key_mask = torch.arange(11)[None, :] < torch.tensor([11, 6])[:, None]
     state: dict = {}
@@ -66,11 +76,14 @@ def test_three_stacked_layers_equal_manual_computation(causal):
     for out, (q, k, v), prev in zip(outs[1:], inputs[1:], (s0, s1), strict=True):
         ref, _ = attnlab.reference_attention(q, k, v, bias=prev, key_mask=key_mask,
                                              causal=causal)
-        torch.testing.assert_close(out, ref, **TOL)
+        torch.testing.assert_close(out, ref, **tol)
     # the stored entry is the last layer's raw (un-masked, finite) score sum
     entry = state[REALFORMER_STATE_KEY]
-    assert entry.layer_idx == 4 and torch.isfinite(entry.scores).all()
-    torch.testing.assert_close(entry.scores, raw_scores(*inputs[2][:2]) + s1, **TOL)
+    kind = priors.ResidualScores if form == "explicit" else priors.ResidualFactors
+    assert isinstance(entry, kind)
+    scores = entry.scores if form == "explicit" else entry.product()
+    assert entry.layer_idx == 4 and torch.isfinite(scores).all()
+    torch.testing.assert_close(scores, raw_scores(*inputs[2][:2]) + s1, **tol)
 
 
 def test_gradients_flow_through_the_residual():
@@ -133,8 +146,8 @@ def test_factored_stack_equals_the_explicit_one(monkeypatch, causal):
     key_mask = torch.arange(11)[None, :] < torch.tensor([11, 6])[:, None]
     results = []
     for factored in (True, False):
-        monkeypatch.setattr(priors, "FACTORED_MIN_SCORES", 1 if factored else 10**9)
-        monkeypatch.setattr(priors, "FACTORED_MAX_WIDTH", 2)
+        monkeypatch.setattr(priors, "FACTORED_LONG_SCORES", 1)
+        monkeypatch.setattr(priors, "FACTORED_MAX_WIDTH", 2 if factored else 0)
         inputs = [tuple(x.requires_grad_() for x in rand(11, seed=s)) for s in range(4)]
         outs, _, state = run_stack(inputs, key_mask=key_mask, causal=causal)
         entries = state[REALFORMER_STATE_KEY]
@@ -153,7 +166,7 @@ def test_factored_layers_pass_factors_and_weights_come_from_their_product(monkey
     weights computes S_1 from them and returns the explicit stack's probabilities."""
     from attnlab.mechanisms import priors
 
-    monkeypatch.setattr(priors, "FACTORED_MIN_SCORES", 1)
+    monkeypatch.setattr(priors, "FACTORED_LONG_SCORES", 1)
     inputs = [rand(9, seed=s) for s in range(3)]
     state: dict = {}
     widths = []
@@ -169,6 +182,26 @@ def test_factored_layers_pass_factors_and_weights_come_from_their_product(monkey
     ref, probs = attnlab.reference_attention(q, k, v, bias=bias)
     torch.testing.assert_close(res.out, ref, **FACTORED_TOL)
     torch.testing.assert_close(res.probs, probs, **FACTORED_TOL)
+
+
+def test_factored_width_is_capped_by_the_input_length():
+    """Short inputs (under 512 x 512 scores per head) factor up to 4 head dims, long ones
+    up to 8; past the cap the stack continues explicit."""
+    from attnlab.mechanisms import priors
+
+    d = 32
+    assert priors.factored_fits(128, 128, 4 * d, d) and not priors.factored_fits(
+        128, 128, 5 * d, d)
+    assert priors.factored_fits(512, 512, 8 * d, d) and not priors.factored_fits(
+        512, 512, 9 * d, d)
+    assert priors.factored_fits(1024, 256, 8 * d, d)  # n * m counts, not n alone
+    inputs = [rand(9, seed=s) for s in range(6)]
+    state: dict = {}
+    kinds = []
+    for i, (q, k, v) in enumerate(inputs):
+        build()(q, k, v, attnlab.AttnContext(layer_idx=i, state=state))
+        kinds.append(type(state[REALFORMER_STATE_KEY]).__name__)
+    assert kinds == ["ResidualFactors"] * 4 + ["ResidualScores"] * 2
 
 
 def test_factored_training_keeps_no_score_map():

@@ -122,7 +122,10 @@ def test_realformer_chunks_pass_the_same_scores_up(monkeypatch, causal):
     """Two realformer layers: the chunked form passes the same S_l up (through ctx.state)
     and gives the same outputs and gradients as the dense form; of the [b, h, n, m]
     tensors the second layer keeps little more than the S_l it passes up."""
+    from attnlab.mechanisms import priors
+
     monkeypatch.setattr(_rowchunks, "CHUNK_ELEMS", 3 * 2 * 3 * 13)
+    monkeypatch.setattr(priors, "FACTORED_SHORT_WIDTH", 0)  # the explicit form at n = 13
     layers = [attnlab.build_mechanism("realformer", attnlab.HeadDims(2, 8, 64)).train()
               for _ in range(2)]
     key_mask = torch.arange(13)[None] < torch.tensor([13, 9, 5])[:, None]

@@ -36,10 +36,12 @@ from .dense import Softmax, SoftmaxConfig
 # Key of the residual-score entry in ``AttnContext.state``; the value is a ResidualScores or
 # a ResidualFactors.
 REALFORMER_STATE_KEY = "realformer.scores"
-# The factored form (``factored_fits``): from 512 x 512 scores per head, and while the
-# factors are at most 8 head dims wide (8 realformer layers of equal head dims).
-FACTORED_MIN_SCORES = 1 << 18
+# The factored form (``factored_fits``): while the factors are at most 8 head dims wide (8
+# realformer layers of equal head dims) for inputs of 512 x 512 scores per head or more,
+# 4 below that (where time, not the [b,h,n,m] memory, decides; decision 41).
+FACTORED_LONG_SCORES = 1 << 18
 FACTORED_MAX_WIDTH = 8
+FACTORED_SHORT_WIDTH = 4
 
 
 class ResidualScores(NamedTuple):
@@ -111,10 +113,13 @@ def previous_scores(
 
 
 def factored_fits(n: int, m: int, width: int, head_dim: int) -> bool:
-    """Whether a realformer layer runs on the factors (``ResidualFactors``): for inputs of
-    at least ``FACTORED_MIN_SCORES`` scores per head and factors at most
-    ``FACTORED_MAX_WIDTH`` head dims wide (their product's cost grows with the width)."""
-    return n * m >= FACTORED_MIN_SCORES and width <= FACTORED_MAX_WIDTH * head_dim
+    """Whether a realformer layer runs on the factors (``ResidualFactors``): while they are
+    at most ``FACTORED_MAX_WIDTH`` head dims wide for inputs of ``FACTORED_LONG_SCORES``
+    scores per head or more, ``FACTORED_SHORT_WIDTH`` below that (their product's cost
+    grows with the width; the explicit form's [b,h,n,m] scores cost memory at long
+    inputs)."""
+    long = n * m >= FACTORED_LONG_SCORES
+    return width <= (FACTORED_MAX_WIDTH if long else FACTORED_SHORT_WIDTH) * head_dim
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -134,11 +139,11 @@ class RealFormer(nn.Module):
     plain softmax attention. Complexity O(n*m) time.
     Two forms, the same S_l: S_l is a sum of products, sum_{i <= l} (Q_i s_i) K_i^T (s_i
     each layer's scale), so it is also [Q_1 s_1, .., Q_l s_l] [K_1, .., K_l]^T.
-      * factored (``ResidualFactors``): for inputs of at least 512 x 512 scores per head,
-        without ``need_weights``, while the concatenated factors are at most 8 head dims
-        wide (``factored_fits``): SDPA over the concatenated queries and keys (the flash
+      * factored (``ResidualFactors``): without ``need_weights``, while the concatenated
+        factors are at most 8 head dims wide from 512 x 512 scores per head, 4 below that
+        (``factored_fits``): SDPA over the concatenated queries and keys (the flash
         kernel on the CPU), the factors passed up; memory O((n + m) * w), no [b,h,n,m]
-        tensor kept. Past 8 layers the next layer computes S_{l-1} from the factors and
+        tensor kept. Past that width the next layer computes S_{l-1} from the factors and
         continues explicit.
       * explicit (``ResidualScores``): S_l materialised and passed up. Without
         ``need_weights`` the rows run in chunks under activation checkpoints
