@@ -74,8 +74,8 @@ _ENUM_FRACTION = 0.05
 # Entries per enumeration chunk (int64 arrays of this length are the peak memory).
 _ENUM_CHUNK = 1 << 22
 # ``auto`` counts by candidate pairs when there are at most this many pairs per score entry
-# (g x n x n): measured on one core (n = 256-1024, d = 64), a pair costs ~40 ns, while the
-# sorted ranges cost 90-310 ns per score entry (sort, boundaries, listing the links).
+# (g x n x n): on one core (n = 256-1024, d = 64; ``scripts/jat_counter_costs.py``) a pair
+# cost 38-63 ns and the sorted ranges 103-178 ns per score entry (sort, boundaries, links).
 _PAIRS_PER_SCORE = 2.0
 # Elements per comparison chunk ([rows, n, n] bool, or [heads, n, n, n] for short inputs).
 _CMP_CHUNK = 1 << 19
