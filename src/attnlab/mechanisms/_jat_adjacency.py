@@ -403,11 +403,13 @@ def _candidates(x: torch.Tensor, key_len: torch.Tensor, head_dim: int, rho: floa
         hi = torch.where(top > 0, need / top.to(wide), inf).to(x.dtype)
         lo = -inf if sign else torch.where(low < 0, need / low.to(wide), -inf)
         near = (x >= hi) | (x <= lo.to(x.dtype))  # a superset of the candidates
+        if limit is not None and int(torch.count_nonzero(near)) ** 2 > limit * g * n:
+            return None  # even spread evenly over the g n columns: too many pairs
+        gi, ii, ki = near.nonzero(as_tuple=True)
         if limit is not None:
-            per_column = near.sum(dim=1)  # [g, k]
+            per_column = torch.bincount(gi * n + ki, minlength=g * n)  # [g n]
             if int((per_column * per_column).sum()) > limit:
                 return None  # dense links: the sorted ranges cost less
-        gi, ii, ki = near.nonzero(as_tuple=True)
     else:  # every entry may link (and subnormal strengths round too coarsely to bound)
         gi, ii, ki = (t.reshape(-1) for t in torch.meshgrid(
             *(torch.arange(s, device=x.device) for s in (g, n, n)), indexing="ij"))
