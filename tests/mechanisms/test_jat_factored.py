@@ -135,6 +135,29 @@ def test_head_adjacency_equals_the_dense_adjacency(monkeypatch, sparse_min_n, gr
         assert torch.equal(got[:, 1:], torch.eye(20).expand(2, 2, 20, 20))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_sparse_normalisation_is_the_dense_one_bit_for_bit(dtype):
+    """A_hat built from the links alone (rows with a link summed densely, the rest 1) has
+    the dense normalisation's indices and values exactly, with padding too; None above
+    its nonzero budget."""
+    from attnlab.mechanisms._jat_adjacency import normalized_adjacency, normalized_adjacency_coo
+
+    for seed in range(30):
+        g = torch.Generator().manual_seed(seed)
+        heads, n = 1 + seed % 3, 1 + (7 * seed) % 37
+        counts = ((torch.rand(heads, n, n, generator=g) < 0.08)
+                  * torch.randint(1, n + 1, (heads, n, n), generator=g)).int()
+        valid = None
+        if seed % 2:
+            valid = torch.arange(n)[None] < torch.randint(1, n + 1, (heads,), generator=g)[:, None]
+            counts *= valid[:, :, None] & valid[:, None, :]
+        want = normalized_adjacency(counts, valid, dtype).to_sparse().coalesce()
+        got = normalized_adjacency_coo(counts, valid, dtype)
+        assert torch.equal(got.indices(), want.indices())
+        assert torch.equal(got.values(), want.values())
+        assert normalized_adjacency_coo(counts, valid, dtype, want.values().numel() - 1) is None
+
+
 def test_dense_links_keep_a_dense_adjacency(monkeypatch):
     """Above _SPARSE_FRACTION nonzeros the kept A_hat is dense (COO would be larger)."""
     monkeypatch.setattr(jat_module, "_SPARSE_MIN_N", 1)

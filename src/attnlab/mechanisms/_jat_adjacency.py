@@ -672,3 +672,47 @@ def normalized_adjacency(
     deg = torch.where(deg <= 1e-4, torch.full((), 1e-4, dtype=deg.dtype), deg)
     dinv = torch.reciprocal(torch.sqrt(deg)).unsqueeze(-1)  # [..., n, 1]
     return dinv * a * dinv.transpose(-1, -2)
+
+
+def normalized_adjacency_coo(
+    counts: torch.Tensor, valid: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
+    max_nonzero: float | None = None,
+) -> torch.Tensor | None:
+    """``normalized_adjacency`` as a coalesced sparse COO [g, n, n], the same values bit for
+    bit, without its dense passes; None when it would hold more than ``max_nonzero``
+    nonzeros.
+
+    counts [g, n, n] int (at most a few linked pairs per row), valid [g, n] bool or None.
+    Every step is the dense form's on the nonzero entries alone: A = counts / n_keys cast
+    to ``dtype`` at the linked pairs, 1 on the diagonal; D's row sums are the dense form's
+    own sum over rows, taken only for the rows with a link (a row holding only its
+    diagonal sums to 1 exactly); A_hat = (D^-1/2 A) D^-1/2 per entry, in that order.
+    Zeros of the dense form are the entries left out.
+    """
+    g, n, _ = counts.shape
+    gi, ii, jj = counts.nonzero(as_tuple=True)  # [E] linked pairs
+    off = ii != jj  # the diagonal is 1 whatever its count
+    gi, ii, jj = gi[off], ii[off], jj[off]
+    if max_nonzero is not None and gi.numel() + g * n > max_nonzero:
+        return None
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    c = counts[gi, ii, jj].to(wide)
+    if valid is None:
+        a = c / n
+    else:
+        a = c / valid.sum(-1).clamp_min(1).to(wide)[gi]
+    a = a.to(dtype)  # A at the linked pairs [E]
+    row = gi * n + ii  # flat row of each entry
+    linked, slot = torch.unique(row, return_inverse=True)  # rows with a link [R]
+    dense = torch.zeros(linked.numel(), n, dtype=dtype, device=counts.device)  # their A rows
+    dense[slot, jj] = a
+    dense[torch.arange(linked.numel(), device=counts.device), linked % n] = 1.0
+    deg = torch.ones(g * n, dtype=dtype, device=counts.device)
+    deg[linked] = dense.sum(-1)
+    deg = torch.where(deg <= 1e-4, torch.full((), 1e-4, dtype=deg.dtype), deg)
+    dinv = torch.reciprocal(torch.sqrt(deg))  # [g n]
+    diag = torch.arange(g * n, device=counts.device)
+    values = torch.cat([dinv[row] * a * dinv[gi * n + jj], dinv * 1.0 * dinv])
+    index = torch.cat([torch.stack([gi, ii, jj]),
+                       torch.stack([diag // n, diag % n, diag % n])], 1)  # [3, E + g n]
+    return torch.sparse_coo_tensor(index, values, (g, n, n), check_invariants=True).coalesce()

@@ -35,6 +35,7 @@ from ._jat_adjacency import (
     naive_adjacency,
     naive_jump_counts,
     normalized_adjacency,
+    normalized_adjacency_coo,
 )
 from ._rowchunks import attend_rows, in_row_chunks
 from .dense import Softmax, SoftmaxConfig
@@ -152,7 +153,9 @@ def head_adjacency(
     backward: sparse when at most ``_SPARSE_FRACTION`` of it is nonzero, n >=
     ``_SPARSE_MIN_N`` and q is float32 or float64, else dense. Heads without any link (at
     initialisation, where the scores are small, every head) have A_hat = I exactly (counts
-    0, degree 1), which is written as such without the normalisation's passes.
+    0, degree 1), which is written as such without the normalisation's passes; with few
+    links the sparse A_hat is built from the linked pairs (``normalized_adjacency_coo``,
+    the dense values bit for bit).
     """
     b, h, n, d = q.shape
     g = b * h
@@ -177,7 +180,15 @@ def head_adjacency(
                     parts.append(_identity(scores.shape[0], n, q.dtype, q.device, sparse))
                     nonzero += scores.shape[0] * n
                     continue
-                part = normalized_adjacency(counts, v_sl, scores.dtype)
+                counts = counts.view(-1, n, n)  # [gc, n, n]
+                v_flat = None if v_sl is None else v_sl.reshape(-1, n)
+                coo = None if not sparse else normalized_adjacency_coo(
+                    counts, v_flat, scores.dtype, _SPARSE_FRACTION * counts.numel())
+                if coo is not None:  # few links: built sparse, no dense pass
+                    parts.append(coo)
+                    nonzero += coo.values().numel()
+                    continue
+                part = normalized_adjacency(counts, v_flat, scores.dtype)
             part = part.view(-1, n, n)  # [gc, n, n]
             if sparse:
                 part_nonzero = int(part.count_nonzero())
