@@ -4,8 +4,9 @@
 realformer layer so far while they are at most a cap of head dims wide, then continues
 with explicit scores (`mechanisms/priors.py`, `factored_fits`). For inputs under 512 x 512
 scores per head this times one training step (forward, backward, AdamW; one thread) of
-from-scratch BERT encoders with `realformer` in every head, for several caps of that short
-width: 0 is the explicit form throughout, 8 the long-input cap. Rounds alternate the caps
+from-scratch BERT encoders (BERT's dropouts, 0.1) with `realformer` in every head, for
+several caps of that short width: 0 is the explicit form throughout, 8 the long-input
+cap. Rounds alternate the caps
 so that slow phases of the machine hit them alike; each cell is the median of 3 steps.
 
     python scripts/realformer_factored_width.py --rounds 3
@@ -24,7 +25,7 @@ from attnlab.bench.lra_cell import plan_for
 from attnlab.hf.surgery import apply_plan
 from attnlab.models import encoder_config
 
-# (layers, hidden, heads, length, batch): the bench-lra encoder at a padded ListOps length,
+# (layers, hidden, heads, length, batch): the bench-lra encoder's size at a ListOps length,
 # a MiniLM-sized encoder and a BERT-base-sized one at GLUE lengths
 SHAPES = [(2, 64, 2, 448, 16), (6, 384, 12, 128, 32), (12, 768, 12, 128, 8)]
 

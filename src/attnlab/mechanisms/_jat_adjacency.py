@@ -287,8 +287,9 @@ def jump_counts_or_none(
     valid: torch.Tensor | None = None,
     method: CountMethod = "auto",
 ) -> torch.Tensor | None:
-    """``jump_counts``, or None when no head has a jump link (every count 0): then nothing
-    is allocated, and a caller can write A_hat = I directly."""
+    """``jump_counts``, or None when it finds that no head has a jump link (every count 0):
+    then nothing is allocated, and a caller can write A_hat = I directly. The ``direct``
+    counter returns its counts, zero or not."""
     if method not in ("auto", "pairs", "enumerate", "compare", "direct"):
         raise ValueError(f"unknown count method {method!r}; use 'auto', 'pairs', 'enumerate', "
                          "'compare' or 'direct'")
