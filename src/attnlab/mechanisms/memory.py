@@ -91,7 +91,9 @@ def compress(x: torch.Tensor, keep: torch.Tensor, weight: torch.Tensor, bias: to
     c = weight.shape[-1]
     S = -(-m // c)
     x = F.pad(x * keep[:, None, :, None].to(x.dtype), (0, 0, 0, S * c - m))  # [b,h,S*c,d]
-    x = x.view(b, h, S, c * d)  # row s: x_{s*c}, ..., x_{s*c+c-1} concatenated
+    # row s: x_{s*c}, ..., x_{s*c+c-1} concatenated (a copy only when x is a strided view,
+    # as the heads of a model's [b, m, h, d] projection are when m needs no padding)
+    x = x.reshape(b, h, S, c * d)
     # Kc_s = sum_t W_t x_{s*c+t} + bias, as one matmul with the taps stacked [h,c*d,o]
     w = weight.to(x.dtype).permute(0, 3, 2, 1).reshape(h, c * d, -1)  # [h,c*d,o]
     slots = torch.baddbmm(bias.to(x.dtype)[:, None, :], x.transpose(0, 1).reshape(h, b * S, -1),
