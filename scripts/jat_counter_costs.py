@@ -18,6 +18,7 @@ import time
 import torch
 
 from attnlab.mechanisms import _jat_adjacency as adj
+from attnlab.mechanisms._jat_pairs import _candidates
 
 
 def main() -> None:
@@ -36,7 +37,7 @@ def main() -> None:
         pairs = 0
         for g0 in range(0, x.shape[0], max(1, adj._GROUP // (n * n))):  # as jump_counts
             sl = slice(g0, g0 + max(1, adj._GROUP // (n * n)))
-            cand = adj._candidates(x[sl], flat_lk[sl], 64, 5.0, False, None)
+            cand = _candidates(x[sl], flat_lk[sl], 64, 5.0, False, None)
             if cand is not None and cand[0].numel():
                 _, m = torch.unique_consecutive(cand[0] * n + cand[2], return_counts=True)
                 pairs += int((m * m).sum())
