@@ -1,11 +1,13 @@
 """What JAT's exact link counters cost per unit of work: candidate pairs against sorted ranges.
 
 For random heads (q, k ~ N(0, scale^2), batch 8 x 2 heads, head dim 64, rho = 5) this
-times ``jump_counts`` with ``method="pairs"`` and ``method="enumerate"`` (one thread) and
-prints the link fraction, the candidate pairs per score entry (P / (g n^2)) and each
-counter's cost per unit: nanoseconds per candidate pair, and per score entry for the
-sorted ranges. ``adjacency="auto"`` takes the pairs up to ``_PAIRS_PER_SCORE`` pairs per
-score entry (``mechanisms/_jat_adjacency.py``).
+times ``jump_counts`` with ``method="pairs"``, ``"enumerate"`` and ``"compare"`` (one
+thread) and prints the link fraction, the candidate pairs per score entry (P / (g n^2))
+and each counter's cost per unit: nanoseconds per candidate pair, per score entry for the
+sorted ranges listed (``enumerate``), and per (i, j, k) triple for the sorted ranges
+compared (``compare``, the dense-link back end, whose cost does not depend on the links).
+``adjacency="auto"`` takes the pairs up to ``_PAIRS_PER_SCORE`` pairs per score entry
+(``mechanisms/_jat_adjacency.py``).
 
     python scripts/jat_counter_costs.py
 """
@@ -42,7 +44,7 @@ def main() -> None:
                 _, m = torch.unique_consecutive(cand[0] * n + cand[2], return_counts=True)
                 pairs += int((m * m).sum())
         ms = {}
-        for method in ("pairs", "enumerate"):
+        for method in ("pairs", "enumerate", "compare"):
             start = time.perf_counter()
             counts = adj.jump_counts(s, lk, 64, 5.0, False, None, method)
             ms[method] = (time.perf_counter() - start) * 1000
@@ -50,7 +52,9 @@ def main() -> None:
         print(f"n {n}, scale {scale}: links {int(counts.sum()) / (scores * n):.5f} of the "
               f"triples, {pairs / scores:.2f} pairs per score; pairs {ms['pairs']:.0f} ms "
               f"({ms['pairs'] * 1e6 / max(pairs, 1):.0f} ns a pair), sorted ranges "
-              f"{ms['enumerate']:.0f} ms ({ms['enumerate'] * 1e6 / scores:.0f} ns a score)")
+              f"{ms['enumerate']:.0f} ms ({ms['enumerate'] * 1e6 / scores:.0f} ns a score), "
+              f"compared {ms['compare']:.0f} ms ({ms['compare'] * 1e6 / (scores * n):.2f} ns "
+              "a triple)")
 
 
 if __name__ == "__main__":

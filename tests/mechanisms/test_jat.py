@@ -193,6 +193,26 @@ def test_counts_exact_across_dtypes_backends_and_chunks(monkeypatch, numpy_on_cp
             assert torch.equal(jump_counts(s, lk, 4, rho, sign, valid, method).long(), ref)
 
 
+@pytest.mark.parametrize("sign", [False, True])
+def test_compare_counts_the_upper_triangle_exactly(monkeypatch, sign):
+    """``compare`` compares only j >= i and mirrors: row blocks that grow as the columns
+    left shrink (2 rows first, then more), padding rows and columns, dense and sparse links:
+    the naive integers, and symmetric."""
+    from attnlab.mechanisms import _jat_adjacency as adj
+
+    n = 29
+    monkeypatch.setattr(adj, "_CMP_CHUNK", 2 * n * n)
+    q, k, _ = qkv(2, 2, n, 8, seed=41, scale=1.5)
+    s, lk = q @ k.transpose(-1, -2), key_length(k)
+    valid = lengths_mask([n, 20], n)[:, None, :]
+    for rho in (0.01, 0.5, 3.0):
+        for v in (None, valid):
+            ref = naive_jump_counts(s, lk, 8, rho, sign, v)
+            got = jump_counts(s, lk, 8, rho, sign, v, "compare")
+            assert torch.equal(got.long(), ref), (rho, v is None)
+            assert torch.equal(got, got.transpose(-1, -2))
+
+
 @pytest.mark.parametrize("d", [12, 48])
 def test_counts_exact_when_head_dim_is_not_a_power_of_two(d):
     """1/d is inexact here, so the division by d must round the same way on both paths."""

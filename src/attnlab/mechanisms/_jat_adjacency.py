@@ -41,8 +41,9 @@ Counting the links from the sorted ranges has two exact back ends:
 * ``enumerate``: list every j of every range (or of its complement, whichever is shorter)
   and ``bincount`` them; O(E) with E <= n^3 / 2. Fast when links are sparse, which is
   the regime the threshold rho is meant for.
-* ``compare``: compare each key's rank of j against the range bound: n^3 one-byte
-  comparisons in cache-sized blocks; O(n^3) time with a small constant, O(n^2) memory.
+* ``compare``: compare each key's rank of j against the range bound: n^3 / 2 integer
+  comparisons (the counts are symmetric) in cache-sized blocks; O(n^3) time with a small
+  constant, O(n^2) memory.
 * ``auto`` picks ``enumerate`` when it lists fewer than ``_ENUM_FRACTION`` * n^3 entries.
 
 Off the CPU one more back end exists: ``direct`` evaluates the official predicate on every
@@ -72,19 +73,21 @@ from ._jat_strength import key_length as key_length  # re-exported for jat and t
 
 CountMethod = Literal["auto", "pairs", "enumerate", "compare", "direct"]
 
-# ``auto`` enumerates links when that lists fewer entries than this fraction of n^3:
-# measured on one core, a listed entry costs 12-18 ns and a comparison 0.7-0.9 ns.
-_ENUM_FRACTION = 0.05
+# ``auto`` enumerates links when that lists fewer entries than this fraction of n^3: on
+# one core the two back ends cross between 0.3% and 1.7% of n^3 at n = 256 and 512
+# (``scripts/jat_count_crossover.py``; ``compare`` costs about 0.5 ns per (i, j, k)).
+_ENUM_FRACTION = 0.01
 # Entries per enumeration chunk (int64 arrays of this length are the peak memory).
 _ENUM_CHUNK = 1 << 22
 # ``auto`` counts by candidate pairs when there are at most this many pairs per score entry
 # (g x n x n): on one core (n = 256-1024, d = 64; ``scripts/jat_counter_costs.py``) a pair
 # cost 38-63 ns and the sorted ranges 103-178 ns per score entry (sort, boundaries, links).
 _PAIRS_PER_SCORE = 2.0
-# Elements per comparison chunk ([rows, n, n] bool, or [heads, n, n, n] for short inputs).
+# Elements per comparison chunk ([rows, n, n] integers, or [heads, n, n, n] for short
+# inputs): 2^17-2^20 cost the same within 10% at n = 507 (2^21: 20% more).
 _CMP_CHUNK = 1 << 19
 # The same off the CPU: GPUs want few large kernels, not cache-sized blocks (not tuned: no
-# GPU measurement of this value exists; 64 Mi one-byte hits, ~0.2 GB temp).
+# GPU measurement of this value exists; 64 Mi int16 entries, ~0.3 GB temp).
 _CMP_CHUNK_GPU = 1 << 26
 # ``direct`` (GPU): elements of the [heads, k, i, j] strength block per kernel, and the
 # longest input ``auto`` sends there (beyond it the O(n^2 log n + E) path wins on work).
@@ -450,42 +453,60 @@ def _list_and_count(flat_perm, sizes, perm_start, row_start, span) -> torch.Tens
 
 
 def _count_compare(p, prefix, perm, empty) -> torch.Tensor:
-    """O(n^3) one-byte comparisons: j is linked to i through k iff rank_k(j) is in range.
+    """O(n^3) integer comparisons: j is linked to i through k iff rank_k(j) is in range.
 
-    Chunks are kept small (about _CMP_CHUNK elements) so each comparison block stays in
-    cache; measured ~0.6 ns per comparison on one core (vs ~9 ns with 8M-element blocks).
+    j is in i's range of column k iff rank_k(j) >= p (a suffix) or rank_k(j) < p (a
+    prefix); an empty range (padding) is the suffix from n. With s = (rank - p) >> 15,
+    -1 where rank < p and 0 elsewhere, ``s ^ -1`` (suffix) or ``s`` (prefix) is -1
+    exactly where linked, so the counts are minus their sum over k: three in-place
+    integer ops and a sum, about half the time of comparing into a bool tensor
+    (``scripts/jat_counter_costs.py``). The counts are symmetric (S[i,k] S[j,k] ==
+    S[j,k] S[i,k] in floating point, and the ranges are decided by that exact
+    predicate): rows i0.. compare only the columns j >= i0, half the comparisons, and the
+    lower triangle is the upper's transpose.
+
+    Chunks are kept small (about _CMP_CHUNK elements) so each block stays in cache.
     When a whole head fits a chunk (short inputs) several heads go in one block, so a batch
     of short sentences is a handful of operations rather than a loop over b x h heads.
     """
     g, n, _ = p.shape
     rdt = torch.int16 if n < 2**15 else torch.int32
+    shift = torch.iinfo(rdt).bits - 1  # (rank - p) is in [-n, n): its sign bit
     dev = p.device
     ranks = torch.empty(g, n, n, dtype=rdt, device=dev)  # ranks[g, k, j]: position of j in k
     ranks.scatter_(2, perm, torch.arange(n, dtype=rdt, device=dev).expand(g, n, n))
-    # suffix [p, n): rank >= p.  prefix [0, p): ~rank = -rank - 1 >= -p.  empty: rank >= n.
-    flip = torch.where(prefix, -1, 0).to(rdt)  # XOR mask: -1 turns rank into ~rank
-    thr = torch.where(prefix, -p, p)
+    flip = torch.where(prefix, 0, -1).to(rdt)  # XOR mask: -1 for a suffix
+    start = p
     if empty is not None:
-        flip = flip.masked_fill(empty, 0)
-        thr = thr.masked_fill(empty, n)
+        flip = flip.masked_fill(empty, -1)
+        start = start.masked_fill(empty, n)
     flip = flip.transpose(1, 2).contiguous()[..., None]  # [g, i, k, 1]
-    thr = thr.to(rdt).transpose(1, 2).contiguous()[..., None]  # [g, i, k, 1]
+    start = start.to(rdt).transpose(1, 2).contiguous()[..., None]  # [g, i, k, 1]
+
+    def minus_linked(r: torch.Tensor, at: tuple) -> torch.Tensor:
+        x = r - start[at]  # r [..., k, j] against the rows' starts [..., c, k, 1]
+        x.bitwise_right_shift_(shift).bitwise_xor_(flip[at])
+        return x
+
     counts = torch.empty(g, n, n, dtype=torch.int32, device=dev)
     chunk = _CMP_CHUNK if dev.type == "cpu" else _CMP_CHUNK_GPU
     if n**3 <= chunk:  # short sequences: whole heads per block, few (GPU: few kernels) blocks
         heads = chunk // n**3
         for g0 in range(0, g, heads):
             sl = slice(g0, g0 + heads)
-            hit = (ranks[sl, None] ^ flip[sl]) >= thr[sl]  # [gc, i, k, j]
-            counts[sl] = hit.sum(2, dtype=torch.int32)
+            x = minus_linked(ranks[sl, None], (sl,))  # [gc, i, k, j]
+            torch.neg(x.sum(2, dtype=torch.int32), out=counts[sl])
         return counts
-    rows = max(1, chunk // (n * n))
     for gi in range(g):
         r = ranks[gi][None]  # [1, k, j]
-        for i0 in range(0, n, rows):
-            i1 = i0 + rows
-            hit = (r ^ flip[gi, i0:i1]) >= thr[gi, i0:i1]  # [c, k, j]
-            counts[gi, i0:i1] = hit.sum(1, dtype=torch.int32)
+        i0 = 0
+        while i0 < n:
+            i1 = min(n, i0 + max(1, chunk // (n * (n - i0))))
+            x = minus_linked(r[..., i0:], (gi, slice(i0, i1)))  # [c, k, j >= i0]
+            counts[gi, i0:i1, i0:] = x.sum(1, dtype=torch.int32).neg_()
+            i0 = i1
+        upper = counts[gi].triu()
+        counts[gi] = upper + upper.triu(1).T
     return counts
 
 
