@@ -456,11 +456,11 @@ def _count_compare(p, prefix, perm, empty) -> torch.Tensor:
     """O(n^3) integer comparisons: j is linked to i through k iff rank_k(j) is in range.
 
     j is in i's range of column k iff rank_k(j) >= p (a suffix) or rank_k(j) < p (a
-    prefix); an empty range (padding) is the suffix from n. With s = (rank - p) >> 15,
-    -1 where rank < p and 0 elsewhere, ``s ^ -1`` (suffix) or ``s`` (prefix) is -1
-    exactly where linked, so the counts are minus their sum over k: three in-place
-    integer ops and a sum, about half the time of comparing into a bool tensor
-    (``scripts/jat_counter_costs.py``). The counts are symmetric (S[i,k] S[j,k] ==
+    prefix); an empty range (padding) is the suffix from n. With s = clamp(rank - p, -1,
+    0), -1 where rank < p and 0 elsewhere, ``s ^ -1`` (suffix) or ``s`` (prefix) is -1
+    exactly where linked, so the counts are minus their sum over k, summed in the ranks'
+    own integer type (a count is at most n): a subtraction, two in-place ops and a sum,
+    with no bool tensor and no widening copy. The counts are symmetric (S[i,k] S[j,k] ==
     S[j,k] S[i,k] in floating point, and the ranges are decided by that exact
     predicate): rows i0.. compare only the columns j >= i0, half the comparisons, and the
     lower triangle is the upper's transpose.
@@ -471,7 +471,6 @@ def _count_compare(p, prefix, perm, empty) -> torch.Tensor:
     """
     g, n, _ = p.shape
     rdt = torch.int16 if n < 2**15 else torch.int32
-    shift = torch.iinfo(rdt).bits - 1  # (rank - p) is in [-n, n): its sign bit
     dev = p.device
     ranks = torch.empty(g, n, n, dtype=rdt, device=dev)  # ranks[g, k, j]: position of j in k
     ranks.scatter_(2, perm, torch.arange(n, dtype=rdt, device=dev).expand(g, n, n))
@@ -485,7 +484,7 @@ def _count_compare(p, prefix, perm, empty) -> torch.Tensor:
 
     def minus_linked(r: torch.Tensor, at: tuple) -> torch.Tensor:
         x = r - start[at]  # r [..., k, j] against the rows' starts [..., c, k, 1]
-        x.bitwise_right_shift_(shift).bitwise_xor_(flip[at])
+        x.clamp_(-1, 0).bitwise_xor_(flip[at])  # -1 where linked, else 0
         return x
 
     counts = torch.empty(g, n, n, dtype=torch.int32, device=dev)
@@ -495,7 +494,7 @@ def _count_compare(p, prefix, perm, empty) -> torch.Tensor:
         for g0 in range(0, g, heads):
             sl = slice(g0, g0 + heads)
             x = minus_linked(ranks[sl, None], (sl,))  # [gc, i, k, j]
-            torch.neg(x.sum(2, dtype=torch.int32), out=counts[sl])
+            counts[sl] = x.sum(2, dtype=rdt).neg_()
         return counts
     for gi in range(g):
         r = ranks[gi][None]  # [1, k, j]
@@ -503,7 +502,7 @@ def _count_compare(p, prefix, perm, empty) -> torch.Tensor:
         while i0 < n:
             i1 = min(n, i0 + max(1, chunk // (n * (n - i0))))
             x = minus_linked(r[..., i0:], (gi, slice(i0, i1)))  # [c, k, j >= i0]
-            counts[gi, i0:i1, i0:] = x.sum(1, dtype=torch.int32).neg_()
+            counts[gi, i0:i1, i0:] = x.sum(1, dtype=rdt).neg_()
             i0 = i1
         upper = counts[gi].triu()
         counts[gi] = upper + upper.triu(1).T
