@@ -67,6 +67,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+from ._jat_compare import count_compare
 from ._jat_pairs import _candidates, _count_pairs
 from ._jat_strength import _clean, jump_strength
 from ._jat_strength import key_length as key_length  # re-exported for jat and the tests
@@ -316,7 +317,8 @@ def jump_counts_or_none(
         if how == "enumerate":
             counts[sl] = _count_enumerate(p, prefix, perm, empty)
         else:
-            counts[sl] = _count_compare(p, prefix, perm, empty)
+            chunk = _CMP_CHUNK if x.device.type == "cpu" else _CMP_CHUNK_GPU
+            counts[sl] = count_compare(p, prefix, perm, empty, chunk)
     if counts is None:
         return None
     if ok is not None:
@@ -450,63 +452,6 @@ def _list_and_count(flat_perm, sizes, perm_start, row_start, span) -> torch.Tens
     idx = torch.repeat_interleave(row_start, sizes, output_size=total)
     idx += flat_perm.take(pos)
     return torch.bincount(idx, minlength=span).to(torch.int32)
-
-
-def _count_compare(p, prefix, perm, empty) -> torch.Tensor:
-    """O(n^3) integer comparisons: j is linked to i through k iff rank_k(j) is in range.
-
-    j is in i's range of column k iff rank_k(j) >= p (a suffix) or rank_k(j) < p (a
-    prefix); an empty range (padding) is the suffix from n. With s = clamp(rank - p, -1,
-    0), -1 where rank < p and 0 elsewhere, ``s ^ -1`` (suffix) or ``s`` (prefix) is -1
-    exactly where linked, so the counts are minus their sum over k, summed in the ranks'
-    own integer type (a count is at most n): a subtraction, two in-place ops and a sum,
-    with no bool tensor and no widening copy. The counts are symmetric (S[i,k] S[j,k] ==
-    S[j,k] S[i,k] in floating point, and the ranges are decided by that exact
-    predicate): rows i0.. compare only the columns j >= i0, half the comparisons, and the
-    lower triangle is the upper's transpose.
-
-    Chunks are kept small (about _CMP_CHUNK elements) so each block stays in cache.
-    When a whole head fits a chunk (short inputs) several heads go in one block, so a batch
-    of short sentences is a handful of operations rather than a loop over b x h heads.
-    """
-    g, n, _ = p.shape
-    rdt = torch.int16 if n < 2**15 else torch.int32
-    dev = p.device
-    ranks = torch.empty(g, n, n, dtype=rdt, device=dev)  # ranks[g, k, j]: position of j in k
-    ranks.scatter_(2, perm, torch.arange(n, dtype=rdt, device=dev).expand(g, n, n))
-    flip = torch.where(prefix, 0, -1).to(rdt)  # XOR mask: -1 for a suffix
-    start = p
-    if empty is not None:
-        flip = flip.masked_fill(empty, -1)
-        start = start.masked_fill(empty, n)
-    flip = flip.transpose(1, 2).contiguous()[..., None]  # [g, i, k, 1]
-    start = start.to(rdt).transpose(1, 2).contiguous()[..., None]  # [g, i, k, 1]
-
-    def minus_linked(r: torch.Tensor, at: tuple) -> torch.Tensor:
-        x = r - start[at]  # r [..., k, j] against the rows' starts [..., c, k, 1]
-        x.clamp_(-1, 0).bitwise_xor_(flip[at])  # -1 where linked, else 0
-        return x
-
-    counts = torch.empty(g, n, n, dtype=torch.int32, device=dev)
-    chunk = _CMP_CHUNK if dev.type == "cpu" else _CMP_CHUNK_GPU
-    if n**3 <= chunk:  # short sequences: whole heads per block, few (GPU: few kernels) blocks
-        heads = chunk // n**3
-        for g0 in range(0, g, heads):
-            sl = slice(g0, g0 + heads)
-            x = minus_linked(ranks[sl, None], (sl,))  # [gc, i, k, j]
-            counts[sl] = x.sum(2, dtype=rdt).neg_()
-        return counts
-    for gi in range(g):
-        r = ranks[gi][None]  # [1, k, j]
-        i0 = 0
-        while i0 < n:
-            i1 = min(n, i0 + max(1, chunk // (n * (n - i0))))
-            x = minus_linked(r[..., i0:], (gi, slice(i0, i1)))  # [c, k, j >= i0]
-            counts[gi, i0:i1, i0:] = x.sum(1, dtype=rdt).neg_()
-            i0 = i1
-        upper = counts[gi].triu()
-        counts[gi] = upper + upper.triu(1).T
-    return counts
 
 
 def direct_applies(device: torch.device, n: int) -> bool:
