@@ -392,6 +392,36 @@ def grads(host, plan, batch, checkpointing=False, reentrant=False, forwards=1):
 
 
 @gc_warnings
+def test_a_training_step_frees_the_map_predictive_passes_up(padded_batch, monkeypatch):
+    """S_l dies with its step. The checkpointed row chunks once closed over a context with
+    the state: a cycle through autograd's nodes (state -> S_l -> checkpoint -> closure ->
+    state) that no collector frees, so every training step's graph stayed alive."""
+    import gc
+    import weakref
+
+    import attnlab.mechanisms.priors_layers as pl
+
+    refs, real = [], pl.ResidualScores
+
+    def recorded(scores, layer_idx):
+        refs.append(weakref.ref(scores))
+        return real(scores, layer_idx)
+
+    monkeypatch.setattr(pl, "ResidualScores", recorded)
+    from attnlab.mechanisms import _rowchunks
+
+    monkeypatch.setattr(_rowchunks, "CHUNK_ELEMS", 64)  # several checkpointed row chunks
+    model = scratch_encoder()
+    apply_plan(model, CROSS["predictive"])
+    out = model.train()(input_ids=padded_batch["input_ids"],
+                        attention_mask=padded_batch["attention_mask"]).last_hidden_state
+    out.sum().backward()
+    del out
+    gc.collect()
+    assert len(refs) == 2 and all(r() is None for r in refs)
+
+
+@gc_warnings
 @pytest.mark.parametrize("host", list(HOSTS))
 @pytest.mark.parametrize("key", list(CROSS))
 def test_gradient_checkpointing_gives_the_same_gradients(padded_batch, host, key):

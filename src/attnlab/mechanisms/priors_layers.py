@@ -16,7 +16,7 @@ head dim, k convolution kernel size.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar, NamedTuple
 
 import torch
@@ -205,11 +205,16 @@ class Predictive(nn.Module):
             probs = None
             rows = rows_per_chunk(b, h, m)
             around = self.halos(lower, ctx.causal, n, rows)
+            # The checkpointed chunks hold this closure until the backward; a context with
+            # the state would close a cycle through autograd's C++ nodes (state -> S_l ->
+            # its checkpoint -> closure -> state) that no collector frees: every training
+            # step's graph stayed alive. The rows need no state.
+            rows_ctx = replace(ctx, state=None)
 
             def chunk(r0: int, q_rows: torch.Tensor, lower_rows: torch.Tensor | None,
                       above: torch.Tensor | None, below: torch.Tensor | None):
-                out, stored, _ = self._rows(r0, n, q_rows, k, v, ctx, lower_rows, above,
-                                            below, keep)
+                out, stored, _ = self._rows(r0, n, q_rows, k, v, rows_ctx, lower_rows,
+                                            above, below, keep)
                 return (out, stored) if keep else out
 
             result = in_row_chunks(chunk, q, m, dropout=draws_dropout(ctx, self.training),
