@@ -207,8 +207,8 @@ class Predictive(nn.Module):
             around = self.halos(lower, ctx.causal, n, rows)
             # The checkpointed chunks hold this closure until the backward; a context with
             # the state would close a cycle through autograd's C++ nodes (state -> S_l ->
-            # its checkpoint -> closure -> state) that no collector frees: every training
-            # step's graph stayed alive. The rows need no state.
+            # its checkpoint -> closure -> state) that no collector frees, keeping every
+            # training step's graph alive. The rows need no state.
             rows_ctx = replace(ctx, state=None)
 
             def chunk(r0: int, q_rows: torch.Tensor, lower_rows: torch.Tensor | None,
