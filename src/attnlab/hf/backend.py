@@ -133,6 +133,10 @@ def _drop_forward_scratch(module: nn.Module, args: Any, output: Any) -> None:
     (``aux_loss`` stays readable until the next forward); mark its Replay done."""
     holder = getattr(module, STATE_ATTR, None)
     if holder is not None:
+        # Emptied in place: every layer's AttnContext still points at this dict, and a
+        # checkpointed closure holding a context would otherwise keep what the layers
+        # passed up (and their graphs) alive through a cycle no collector frees.
+        holder.state.clear()
         holder.state = {}
         if holder.replay is not None:
             holder.replay.done = True

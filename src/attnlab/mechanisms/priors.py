@@ -197,8 +197,9 @@ class RealFormer(nn.Module):
         else:  # query rows in checkpointed chunks (_rowchunks): of the [b,h,n,m] tensors
             # training keeps only S_l, which the next layer reads anyway
             probs = None
+            rows_ctx = replace(ctx, state=None)  # see Predictive.forward: no state cycle
             out, scores = in_row_chunks(
-                lambda r0, qc, pc: self._rows(qc, k, v, ctx, pc, r0, n)[:2], q, m,
+                lambda r0, qc, pc: self._rows(qc, k, v, rows_ctx, pc, r0, n)[:2], q, m,
                 dropout=draws_dropout(ctx, self.training), row_inputs=(prev,),
                 concat_extras=True)
         if ctx.state is not None:
