@@ -7,6 +7,8 @@ text at one length, with accuracy, training steps/s and peak memory against soft
     attnlab bench lra --mechanisms softmax,band,linear_elu --task listops --steps 50
     attnlab bench lra --mechanisms "mega(chunk=128)" --task listops --length 4096 --steps 5
     attnlab bench lra --speed-only --length 4096     # every mechanism's cost columns at 4K
+    attnlab bench lra --speed-only --length 4096 --baseline "softmax(fused=False)" \
+        --mechanisms "softmax,mega(chunk=128),band"   # ratios against a vanilla Transformer
 
 The bench, torch and transformers are imported inside the command, so ``attnlab --help``
 stays fast.
@@ -29,8 +31,12 @@ def bench_lra(
     mechanisms: Annotated[str | None, typer.Option(
         help="Comma-separated names or specs, e.g. 'softmax,band,mega(chunk=128)' (a bare "
              "name takes bench speed's long-input setting, else its defaults). Default: every "
-             "registered mechanism surgery accepts at --length. softmax always runs: it is "
-             "the baseline.")] = None,
+             "registered mechanism surgery accepts at --length. The baseline always runs "
+             "first.")] = None,
+    baseline: Annotated[str, typer.Option(
+        help="The mechanism the speed and memory ratios are against, e.g. "
+             "'softmax(fused=False)': the vanilla Transformer's attention, which stores its "
+             "n x n probabilities, as in LRA's and MEGA's cost tables.")] = "softmax",
     task: Annotated[list[str] | None, typer.Option(
         "--task", help="listops, recall or text; repeatable or comma-separated.")] = None,
     seeds: Annotated[int, typer.Option(help="Seeds per (mechanism, task): 0..N-1.")] = 1,
@@ -73,7 +79,7 @@ def bench_lra(
             raise ValueError("--device cuda: this torch sees no CUDA GPU; use --device cpu")
         results = run_lra(out, names, tasks, list(range(seeds)), settings,
                           notify=lambda line: console.print(line, markup=False),
-                          speed_only=speed_only)
+                          speed_only=speed_only, baseline=baseline)
     console.print(format_table(results), markup=False, soft_wrap=True)
     console.print(f"saved {out}/lra.md, {out}/lra.json, {out}/lra.png ({out}/rows.jsonl: "
                   "finished cells, reused on the next run)", markup=False, soft_wrap=True)

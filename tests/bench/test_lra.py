@@ -204,3 +204,20 @@ def test_labelled_positions_loss_and_gradients_equal_the_full_classifier():
     with torch.no_grad():
         torch.testing.assert_close(wrapped(input_ids=ids, attention_mask=mask).logits,
                                    full(input_ids=ids, attention_mask=mask).logits)
+
+
+def test_another_baseline_runs_first_and_sets_the_ratios(tmp_path, trained):
+    measured: list[str] = []
+    res = lra.run_lra(tmp_path, ["band(window=4)", "softmax"], ["recall"], [0], TINY,
+                      progress=False, measure=fake_measure(measured), speed_only=True,
+                      baseline="band(window=4)")
+    assert measured == ["band(window=4)", "softmax"]
+    assert res["baseline"] == "band(window=4)"
+    soft = res["table"][1]
+    assert soft["speed_ratio"] == 0.5 and soft["memory_ratio"] == 4.0
+    table = (tmp_path / "lra.md").read_text()
+    assert "| speed vs band(window=4) |" in table
+    assert "| `softmax` | 10 | 0.50x | 120 | 4.00x |" in table
+    with pytest.raises(ValueError, match="baseline 'pattern_loss' cannot run"):
+        lra.run_lra(tmp_path, ["softmax"], ["recall"], [0], TINY, progress=False,
+                    measure=fake_measure(measured), baseline="pattern_loss")

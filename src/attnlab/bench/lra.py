@@ -13,10 +13,13 @@ For each mechanism the bench runs two kinds of cell:
   length (``lra_data``), then accuracy on its evaluation split (``lra_cell``).
 
 ``softmax`` (attnlab's softmax mechanism through surgery: ``F.scaled_dot_product_attention``)
-always runs first: it is the baseline of the ratios. Mechanisms: names or full specs. A bare
-name takes the long-input setting of ``bench speed`` (``bench.suite.bench_spec``, e.g.
-``band`` -> ``band(window=128)``), else the mechanism's defaults; a spec is used as given
-(``band(window=256)``, ``mega(chunk=128)``). With no list, every registered mechanism that
+always runs first: it is the baseline of the ratios. ``baseline`` names another (e.g.
+``softmax(fused=False)``, the vanilla Transformer's attention that stores its [n, n]
+probabilities, the baseline of LRA's and MEGA's cost columns); it runs first instead.
+Mechanisms: names or full specs. A bare name takes the long-input setting of ``bench
+speed`` (``bench.suite.bench_spec``, e.g. ``band`` -> ``band(window=128)``), else the
+mechanism's defaults; a spec is used as given (``band(window=256)``, ``mega(chunk=128)``).
+With no list, every registered mechanism that
 surgery accepts in a from-scratch encoder of that length; the others are skipped with the
 reason.
 
@@ -99,7 +102,7 @@ def refusal(spec: str, length: int) -> str | None:
     return None
 
 
-def resolve_mechanisms(names: Sequence[str] | None, length: int
+def resolve_mechanisms(names: Sequence[str] | None, length: int, baseline: str = BASELINE
                        ) -> tuple[dict[str, str], list[dict[str, str]]]:
     """(canonical spec -> label, the baseline first; skipped ``{"mechanism", "reason"}``).
     Given names that surgery refuses are an error; of the default list they are skipped."""
@@ -117,8 +120,12 @@ def resolve_mechanisms(names: Sequence[str] | None, length: int
             chosen[spec] = requested(name)
         else:
             skipped.append({"mechanism": requested(name), "reason": why})
-    base = canonical(BASELINE)
-    return {base: requested(BASELINE), **{k: v for k, v in chosen.items() if k != base}}, skipped
+    base = canonical(baseline)
+    why = refusal(base, length)
+    if why is not None:
+        raise ValueError(f"baseline {requested(baseline)!r} cannot run in the bench encoder "
+                         f"at length {length}: {why}")
+    return {base: requested(baseline), **{k: v for k, v in chosen.items() if k != base}}, skipped
 
 
 # ----------------------------------------------------------------------------- cells
@@ -168,20 +175,23 @@ def run_lra(
     notify: Callable[[str], None] | None = None,
     measure: Callable[..., dict[str, Any]] = measure_isolated_step,
     speed_only: bool = False,
+    baseline: str = BASELINE,
 ) -> dict[str, Any]:
     """Run the missing cells, write ``rows.jsonl``, ``lra.json``, ``lra.md``, ``lra.png``
     into ``out``; return the results (``lra.json``'s content). ``notify`` gets one line per
     skipped mechanism; ``measure`` is the speed measurement (tests pass a stand-in).
     ``speed_only``: the speed cells alone (LRA Table 2's steps/s and peak memory, at lengths
     where training every mechanism is out of reach); ``tasks`` and ``seeds`` are not used,
-    and ``lra.png`` plots memory against speed."""
+    and ``lra.png`` plots memory against speed. ``baseline``: the mechanism of the ratios
+    (run first)."""
     settings.check()
     tasks = [] if speed_only else list(dict.fromkeys(tasks))
     for t in tasks:
         check_task(t)
     if not speed_only and (not tasks or not seeds):
         raise ValueError("give at least one task and one seed")
-    labels, skipped = resolve_mechanisms(mechanisms, settings.length)
+    labels, skipped = resolve_mechanisms(mechanisms, settings.length, baseline)
+    base_spec = next(iter(labels))
     for s in skipped:
         (notify or (lambda line: None))(f"skipped {s['mechanism']}: {s['reason']}")
     out = Path(out)
@@ -253,11 +263,11 @@ def run_lra(
     results = {
         "settings": asdict(settings), "speed_only": speed_only, "tasks": tasks,
         "seeds": [] if speed_only else list(seeds),
-        "mechanisms": labels, "skipped": skipped, "baseline": canonical(BASELINE),
+        "mechanisms": labels, "skipped": skipped, "baseline": base_spec,
         "encoder": ENCODER, "data_seed": DATA_SEED,
         "data": {r["task"]: r["data"] for r in rows if "data" in r},
         "environment": environment(settings.threads),
-        "table": summarise(rows, labels, tasks), "rows": rows,
+        "table": summarise(rows, labels, tasks, base_spec), "rows": rows,
     }
     write_json(out / "lra.json", results)
     atomic_write(out / "lra.md", format_table(results))
@@ -280,12 +290,13 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
     return mean, math.sqrt(var)
 
 
-def summarise(rows: list[dict[str, Any]], labels: Mapping[str, str], tasks: Sequence[str]
-              ) -> list[dict[str, Any]]:
+def summarise(rows: list[dict[str, Any]], labels: Mapping[str, str], tasks: Sequence[str],
+              baseline: str) -> list[dict[str, Any]]:
     """One entry per mechanism: accuracy per task (mean, std over seeds, n), the average
-    over tasks (when every task has one), the speed cell and its ratios to the baseline."""
+    over tasks (when every task has one), the speed cell and its ratios to the baseline
+    (``baseline``: its canonical spec)."""
     speed = {r["mechanism"]: r for r in rows if r["kind"] == "speed"}
-    base = speed.get(canonical(BASELINE), {})
+    base = speed.get(baseline, {})
     table = []
     for spec, label in labels.items():
         entry: dict[str, Any] = {"mechanism": spec, "label": label, "accuracy": {}}
@@ -321,18 +332,24 @@ def _acc(cell: dict[str, Any]) -> str:
     return text + (f" ± {100 * cell['std']:.2f}" if cell["n"] > 1 else "")
 
 
+def baseline_label(results: dict[str, Any]) -> str:
+    """The baseline as the run named it (``softmax``, ``softmax(fused=False)``)."""
+    return results["mechanisms"].get(results["baseline"], results["baseline"])
+
+
 def format_table(results: dict[str, Any]) -> str:
     """``lra.md``: LRA's Table 1 layout (accuracy % per task, average) with the speed and
     memory columns of its Table 2, then how it was run."""
     s, tasks = results["settings"], results["tasks"]
     speed_only = results.get("speed_only", False)
+    name = baseline_label(results)
     acc_cols = [TASK_TITLES[t] for t in tasks] + ([] if speed_only else ["Avg"])
     what = ("speed and memory only" if speed_only else
             f"{s['steps']} steps, batch {s['batch_size']}, {len(results['seeds'])} seed(s)")
     lines = [
         f"# bench lra: length {s['length']}, {what}, {s['device']}\n\n",
-        "| mechanism | " + "".join(f"{c} | " for c in acc_cols) + "steps/s | speed vs softmax "
-        "| peak MB | memory vs softmax |\n",
+        "| mechanism | " + "".join(f"{c} | " for c in acc_cols) + f"steps/s | speed vs {name} "
+        f"| peak MB | memory vs {name} |\n",
         "|---|" + "---:|" * (len(acc_cols) + 4) + "\n",
     ]
     for e in results["table"]:
@@ -358,7 +375,7 @@ def format_table(results: dict[str, Any]) -> str:
         f"\n{accuracy}steps/s and peak MB: "
         f"one training step (forward, backward, AdamW) on {s['batch_size']} x {s['length']} "
         f"tokens in a fresh subprocess (median of {s['repeats']}); ratios against "
-        f"`{results['baseline']}` (F.scaled_dot_product_attention; kernel: {kernels}).\n\n"
+        f"`{name}` (fused attention kernels it ran: {kernels}).\n\n"
         f"Encoder: from-scratch BERT, {enc['num_hidden_layers']} layers, hidden "
         f"{enc['hidden_size']}, {enc['num_attention_heads']} heads, feed-forward "
         f"{enc['intermediate_size']}, {s['length']} positions, attention dropout 0, the "
@@ -408,7 +425,7 @@ def scatter_plot(results: dict[str, Any], path: str | Path) -> Path | None:
     legend = ax.legend(fontsize=8, title="mechanism (peak memory)", title_fontsize=8)
     for handle in legend.legend_handles:  # one marker size in the legend, not the memory
         handle.set_sizes([40])  # type: ignore[union-attr]  # scatter handles
-    ax.set_xlabel(f"training steps/s relative to {results['baseline']} "
+    ax.set_xlabel(f"training steps/s relative to {baseline_label(results)} "
                   f"(batch {s['batch_size']} x {s['length']} tokens)")
     ax.set_ylabel("accuracy averaged over " + ", ".join(TASK_TITLES[t] for t in
                                                        results["tasks"]) + " (%)")
@@ -445,9 +462,9 @@ def cost_plot(results: dict[str, Any], path: str | Path) -> Path | None:
     ax.set_yscale("log")
     ax.axvline(1.0, color="grey", lw=0.8, ls="--")
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-    ax.set_xlabel(f"training steps/s relative to {results['baseline']} "
+    ax.set_xlabel(f"training steps/s relative to {baseline_label(results)} "
                   f"(batch {s['batch_size']} x {s['length']} tokens)")
-    ax.set_ylabel(f"peak memory relative to {results['baseline']}")
+    ax.set_ylabel(f"peak memory relative to {baseline_label(results)}")
     ax.set_title(f"bench lra at length {s['length']}: memory vs speed (lower right: faster "
                  "and lighter)", fontsize=9)
     ax.grid(True, which="both", alpha=0.25)

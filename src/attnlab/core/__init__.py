@@ -21,6 +21,7 @@ from .registry import (
     resolve_config,
 )
 from .spec import (
+    OMIT_DEFAULT,
     RegistryError,
     build_config,
     coerce,
@@ -35,6 +36,7 @@ from .spec import (
 
 __all__ = [
     "MECHANISMS",
+    "OMIT_DEFAULT",
     "AttnContext",
     "AttnOutput",
     "Capabilities",

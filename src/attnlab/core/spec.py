@@ -60,11 +60,24 @@ def _literal(val: Any) -> str:
     return repr(val)
 
 
+# Field metadata: the field is left out of the spec string while it has its default value.
+# For a field added to a config whose spelling is already a key elsewhere (saved surgery
+# tables, resumable bench rows, the "softmax" of heads a plan left alone), so that spelling
+# stays the canonical one.
+OMIT_DEFAULT: dict[str, Any] = {"spec": "omit_default"}
+
+
+def _shown(cfg: Any, f: dataclasses.Field) -> bool:
+    return (f.metadata.get("spec") != OMIT_DEFAULT["spec"]
+            or getattr(cfg, f.name) != f.default)
+
+
 def config_spec(cfg: Any) -> str:
     """The spec string that rebuilds the config dataclass ``cfg`` (its class-level ``name``
-    and every field), e.g. ``band(window=64)``; the inverse of :func:`parse_spec`."""
+    and every field but those marked ``OMIT_DEFAULT`` at their default), e.g.
+    ``band(window=64)``; the inverse of :func:`parse_spec`."""
     args = ", ".join(f"{f.name}={_literal(getattr(cfg, f.name))}"
-                     for f in dataclasses.fields(cfg))
+                     for f in dataclasses.fields(cfg) if _shown(cfg, f))
     return f"{cfg.name}({args})" if args else cfg.name
 
 

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..core import (
+    OMIT_DEFAULT,
     AttnContext,
     AttnOutput,
     Capabilities,
@@ -25,6 +27,9 @@ from ._maskedsdpa import sdpa
 @dataclass(frozen=True, kw_only=True)
 class SoftmaxConfig(MechanismConfig):
     name: ClassVar[str] = "softmax"
+    # False: the scores and probabilities are tensors, as in the vanilla Transformer of
+    # LRA's and MEGA's cost tables (a baseline for their ratios), not the fused kernel
+    fused: bool = field(default=True, metadata=OMIT_DEFAULT)  # spec: 'softmax' stays
 
 
 def rows_with_keys(
@@ -51,6 +56,12 @@ class Softmax(nn.Module):
     materialised (via ``core.reference``) only when ``ctx.need_weights``. Complexity
     O(n*m). bias() is all zeros, so the fast path is checked against the reference
     directly.
+    ``fused=False`` computes it as the vanilla Transformer does (the baseline of the speed
+    and memory ratios in LRA's Table 2 and in MEGA's LRA results): scores = Q K^T * scale
+    with masked entries set to the dtype's lowest value [b,h,n,m], probs = softmax(scores),
+    dropout, probs @ V, autograd keeping the [b,h,n,m] probabilities (O(n*m) memory). The
+    same function as the fused path; it serves as the cost baseline of those tables
+    (``attnlab bench lra --baseline "softmax(fused=False)"``).
     """
 
     example: ClassVar[str] = "softmax"
@@ -75,6 +86,8 @@ class Softmax(nn.Module):
                 dropout=p, training=self.training,
             )
             return AttnOutput(out, probs)
+        if not self.cfg.fused:
+            return AttnOutput(self._explicit(q, k, v, ctx, scale, p))
         n, m = q.shape[-2], k.shape[-2]
         mask = None  # bool, True = attend, broadcast to [b,h,n,m]
         if ctx.key_mask is not None:
@@ -88,3 +101,25 @@ class Softmax(nn.Module):
         if live is not None:
             out = torch.where(live, out, torch.zeros((), dtype=out.dtype, device=out.device))
         return AttnOutput(out)
+
+    @staticmethod
+    def _explicit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext,
+                  scale: float, p: float) -> torch.Tensor:
+        """The vanilla Transformer's attention (``fused=False``): out [b,h,n,dv]; rows with
+        no allowed key give 0, as on the fused path."""
+        n, m = q.shape[-2], k.shape[-2]
+        scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)  # [b,h,n,m]
+        low = torch.finfo(scores.dtype).min
+        if ctx.key_mask is not None:  # additive mask as BERT's eager attention
+            keep = ctx.key_mask[:, None, None, :].to(torch.bool)  # [b,1,1,m]
+            scores = scores.masked_fill(~keep, low)
+        if ctx.causal:
+            scores = scores.masked_fill(~causal_mask(n, m, q.device), low)
+        probs = torch.softmax(scores, dim=-1)  # [b,h,n,m], kept by autograd
+        if p > 0:
+            probs = F.dropout(probs, p, training=True)
+        out = torch.matmul(probs, v)  # [b,h,n,dv]
+        live = rows_with_keys(ctx.key_mask, ctx.causal, n, m)
+        if live is not None:
+            out = torch.where(live, out, torch.zeros((), dtype=out.dtype, device=out.device))
+        return out
