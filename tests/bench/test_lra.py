@@ -14,6 +14,7 @@ from attnlab.bench import lra
 from attnlab.bench.lra_cell import measure_step
 from attnlab.bench.lra_data import bench_data, listops_bounds, recall_vocab
 from attnlab.cli import app
+from attnlab.train.memory import reset_peak_rss
 
 TINY = lra.LraSettings(length=32, steps=2, batch_size=2, eval_size=4)
 
@@ -58,6 +59,9 @@ def test_two_mechanisms_write_every_output_and_resume(tmp_path, trained):
     assert "| `softmax` |" in table and "| 1.00x |" in table and "| 0.25x |" in table
     assert json.loads((tmp_path / "lra.json").read_text())["table"][1]["label"] == (
         "band(window=4)")
+    if reset_peak_rss():  # Linux: each train row gives its training's memory high-water mark
+        rows = [r for r in lra.read_rows(tmp_path / "rows.jsonl") if r["kind"] == "train"]
+        assert rows and all(r["train_peak_mb"] > 0 for r in rows)
 
     # finished cells are never run again
     measured.clear()

@@ -152,7 +152,14 @@ def train_and_evaluate(model: torch.nn.Module, data: BenchData, *, steps: int,
                        batch_size: int, lr: float, seed: int, device: str = "cpu",
                        on_step: Callable[[], None] | None = None) -> dict[str, float]:
     """Train ``steps`` optimizer steps, then evaluate: ``accuracy`` (the task's metric),
-    ``final_loss`` (mean of the last 10 steps), ``train_steps_per_s``, ``train_seconds``."""
+    ``final_loss`` (mean of the last 10 steps), ``train_steps_per_s``, ``train_seconds``,
+    and on CPU ``train_peak_mb``: the resident set's high-water mark over the training
+    steps above its size when they started (the optimizer state, one step's activations,
+    and whatever outlives a step: memory that grows from step to step shows here, before
+    the kernel's out-of-memory killer ends the run with no row). Not the speed cell's
+    peak, which measures one step of a fixed batch in a fresh process."""
+    tracked = device == "cpu" and reset_peak_rss()
+    base_mb = peak_rss_mb() if tracked else 0.0
     optimizer, scheduler = _optimizer(model, lr, steps)
     collate = data.task.collator(data.tokenizer, seed=seed)
     torch.manual_seed(seed)  # dropout masks
@@ -172,11 +179,13 @@ def train_and_evaluate(model: torch.nn.Module, data: BenchData, *, steps: int,
         times.append(time.perf_counter() - start)
         if on_step is not None:
             on_step()
+    peak = {"train_peak_mb": peak_rss_mb() - base_mb} if tracked else {}
     metrics = evaluate(model, data, batch_size, device)
     timed = times[1:] or times  # the first step pays for lazy initialisation
     return {"accuracy": metrics[data.task.main_metric],
             "final_loss": sum(losses[-10:]) / len(losses[-10:]),
-            "train_steps_per_s": len(timed) / sum(timed), "train_seconds": sum(times)}
+            "train_steps_per_s": len(timed) / sum(timed), "train_seconds": sum(times),
+            **peak}
 
 
 def evaluate(model: torch.nn.Module, data: BenchData, batch_size: int, device: str
