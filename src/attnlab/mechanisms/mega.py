@@ -182,9 +182,14 @@ class Mega(nn.Module):
             self.rel_bias.normal_(0.0, 0.02)  # drawn last: a chunked twin can share the rest
 
     def relative_bias(self, c: int) -> torch.Tensor:
-        """b_rel [c, c]: entry (i, j) = w[P - 1 + j - i] (the official simple bias)."""
-        pos = torch.arange(c, device=self.rel_bias.device)
-        return self.rel_bias[self.span - 1 + pos[None, :] - pos[:, None]]
+        """b_rel [c, c]: entry (i, j) = w[P - 1 + j - i] (the official simple bias).
+
+        Built from windows of w (a Toeplitz matrix): row r of ``unfold`` is w'[r : r + c] for
+        w' = w[P - c : P + c - 1], the offsets -(c - 1)..c - 1; flipped, row i holds the
+        offsets j - i. Unlike indexing w with a [c, c] tensor of offsets, autograd keeps no
+        int64 [c, c] index (134 MB per layer for the whole-sequence form at n = 4096)."""
+        w = self.rel_bias[self.span - c:self.span + c - 1]  # [2c-1]: offsets 1-c..c-1
+        return w.unfold(0, c, 1).flip(0)  # [c,c]
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                keep: torch.Tensor | None, ctx: AttnContext
