@@ -59,3 +59,12 @@ def test_the_default_keeps_its_spelling():
     assert resolve_config("softmax(fused=False)").spec() == "softmax(fused=False)"
     assert resolve_config("softmax(fused=False)").to_dict() == {"name": "softmax",
                                                                 "fused": False}
+
+
+def test_the_explicit_form_drops_probabilities_in_training_only():
+    q, k, v = (torch.randn(2, 2, 6, 8) for _ in range(3))
+    mech = attnlab.build_mechanism("softmax(fused=False)", attnlab.HeadDims(2, 8))
+    ctx = attnlab.AttnContext(state={}, dropout=1.0)
+    assert (mech.train()(q, k, v, ctx).out == 0).all()  # every probability dropped
+    ref, _ = attnlab.reference_attention(q, k, v)
+    torch.testing.assert_close(mech.eval()(q, k, v, ctx).out, ref, atol=1e-5, rtol=1e-5)
