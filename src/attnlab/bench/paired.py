@@ -15,7 +15,9 @@ Run: ``python -m attnlab.bench.paired --mechanisms band longformer --n 4096``
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -75,6 +77,12 @@ def paired(specs: Sequence[str], n: int, *, heads: int = 12, head_dim: int = 64,
         rows.append(row)
     return {"rows": rows, "settings": {"n": n, "heads": heads, "head_dim": head_dim,
                                        "rounds": rounds, "threads": threads, "seed": seed}}
+
+
+def _child() -> None:
+    """Subprocess entry (``bench.speed.run_child``): ``paired`` on the JSON keywords in
+    argv[1], its result as one JSON line."""
+    print(json.dumps(paired(**json.loads(sys.argv[1]))))
 
 
 def format_markdown(res: dict[str, Any]) -> str:
