@@ -115,6 +115,9 @@ class Disagreement(nn.Module):
     O(n*m) per head, plus O(h^2*(n+m)*d) for the terms.
     Notes: the sums run over all pairs i, j as the paper writes them, so the i = j pairs add
     the constant 1/H to each cosine term and sum_i |A^i (*) A^i| / H^2 to the position term.
+    The position term sums over the query rows, so it grows with n (between about n/m and
+    n per example) while the cosine terms stay in [-1, 1]: on long inputs a lambda that
+    suited NMT sentences can outweigh the task (docs/results.md, ListOps at 512).
     The terms compare the heads this mechanism owns: give it ``heads: all`` for the paper's
     setting (scope "head" also allows a subset). O is the head output after attention
     dropout (what the model uses); A is taken before dropout. Deviation: the paper applies it
