@@ -79,6 +79,14 @@ def test_the_global_token_target_is_checked_on_the_paired_ratio(tmp_path):
     again = run_suite(tmp_path, specs, (4096,), progress=False, measure=measure, pair=pair)
     assert len(calls) == 1 and again["targets"] == res["targets"]
 
+    def failing(*args, **kw):
+        raise RuntimeError("benchmark subprocess failed")
+
+    other = run_suite(tmp_path / "other", specs, (4096,), progress=False, measure=measure,
+                      pair=failing)  # the target falls back to the two cells
+    cost = next(t for t in other["targets"] if t["what"].startswith("longformer"))
+    assert cost["value"] == pytest.approx(1.05) and "paired" not in cost
+
 
 def test_the_paired_ratio_runs_in_a_fresh_process():
     from attnlab.bench.suite import paired_ratio

@@ -19,9 +19,8 @@ probabilities, the baseline of LRA's and MEGA's cost columns); it runs first ins
 Mechanisms: names or full specs. A bare name takes the long-input setting of ``bench
 speed`` (``bench.suite.bench_spec``, e.g. ``band`` -> ``band(window=128)``), else the
 mechanism's defaults; a spec is used as given (``band(window=256)``, ``mega(chunk=128)``).
-With no list, every registered mechanism that
-surgery accepts in a from-scratch encoder of that length; the others are skipped with the
-reason.
+With no list, every registered mechanism that surgery accepts in a from-scratch encoder of
+that length; the others are skipped with the reason.
 
 Every finished cell is appended to ``rows.jsonl`` at once and never run again: a cell is
 identified by its kind, mechanism, task, seed and length plus the settings that change its
