@@ -110,7 +110,7 @@ class Softmax(nn.Module):
         n, m = q.shape[-2], k.shape[-2]
         scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)  # [b,h,n,m]
         low = torch.finfo(scores.dtype).min
-        if ctx.key_mask is not None:  # additive mask as BERT's eager attention
+        if ctx.key_mask is not None:  # lowest value at masked keys (BERT eager adds it)
             keep = ctx.key_mask[:, None, None, :].to(torch.bool)  # [b,1,1,m]
             scores = scores.masked_fill(~keep, low)
         if ctx.causal:
