@@ -120,7 +120,7 @@ def resolve_mechanisms(names: Sequence[str] | None, length: int, baseline: str =
         else:
             skipped.append({"mechanism": requested(name), "reason": why})
     base = canonical(baseline)
-    why = refusal(base, length)
+    why = None if base in chosen else refusal(base, length)
     if why is not None:
         raise ValueError(f"baseline {requested(baseline)!r} cannot run in the bench encoder "
                          f"at length {length}: {why}")

@@ -156,23 +156,11 @@ def run_suite(
         run_all(lambda desc: None)
     rows = [done[_key({"method": m, "n": n, **common})] for m, n in jobs]
     results = summarise(rows, fit_from)
-    paired: dict[tuple[str, str], dict[str, Any]] = {}
+    paired = {}
     if device == "cpu" and batch == 1 and paired_rounds > 0:
-        plog = out / "paired.jsonl"
-        pdone = {(r["method"], r["base"], r["n"], r["threads"], r["heads"], r["head_dim"],
-                  r["rounds"]): r for r in read_jsonl(plog)}
-        for r, base in global_token_pairs(results["rows"]):
-            key = (r["method"], base["method"], r["n"], threads, heads, head_dim, paired_rounds)
-            if key not in pdone:
-                try:
-                    ratio = pair(base["method"], r["method"], r["n"], rounds=paired_rounds,
-                                 threads=threads, heads=heads, head_dim=head_dim)
-                except RuntimeError:  # the target falls back to the separate cells
-                    continue
-                pdone[key] = dict(zip(("method", "base", "n", "threads", "heads", "head_dim",
-                                       "rounds"), key, strict=True)) | {"ratio": ratio}
-                append_jsonl(plog, pdone[key])
-            paired[(r["method"], base["method"])] = pdone[key]
+        paired = paired_targets(out / "paired.jsonl", results["rows"], pair,
+                                rounds=paired_rounds, threads=threads, heads=heads,
+                                head_dim=head_dim)
     results["targets"] = check_targets(results["rows"], paired)
     results["environment"] = environment(threads)
     results["command_settings"] = {**common, "dense_max_n": dense_max_n, "fit_from": fit_from,
@@ -263,6 +251,32 @@ def paired_ratio(base: str, method: str, n: int, *, rounds: int, threads: int, h
                                              "rounds": rounds, "threads": threads,
                                              "heads": heads, "head_dim": head_dim})
     return list(res["rows"][1]["fwdbwd_ratio"])
+
+
+PAIRED_KEY = ("method", "base", "n", "threads", "heads", "head_dim", "rounds")
+
+
+def paired_targets(log: Path, rows: list[dict[str, Any]], pair: Callable[..., list[float]],
+                   **settings: int) -> dict[tuple[str, str], dict[str, Any]]:
+    """(method, base) -> its ``log`` row (``PAIRED_KEY`` and ``ratio``) for every
+    ``global_token_pairs`` pair: read from ``log`` when measured with these ``settings``
+    (rounds, threads, heads, head_dim), else measured by ``pair`` and appended. A pair whose
+    measurement fails is left out (its target falls back to the separate cells)."""
+    done = {tuple(r[k] for k in PAIRED_KEY): r for r in read_jsonl(log)}
+    out = {}
+    for r, base in global_token_pairs(rows):
+        row: dict[str, Any] = {"method": r["method"], "base": base["method"], "n": r["n"],
+                               **{k: settings[k] for k in PAIRED_KEY[3:]}}
+        key = tuple(row[k] for k in PAIRED_KEY)
+        if key not in done:
+            try:
+                row["ratio"] = pair(base["method"], r["method"], r["n"], **settings)
+            except RuntimeError:
+                continue
+            append_jsonl(log, row)
+            done[key] = row
+        out[(r["method"], base["method"])] = done[key]
+    return out
 
 
 def check_targets(rows: list[dict[str, Any]],

@@ -86,40 +86,39 @@ class Softmax(nn.Module):
                 dropout=p, training=self.training,
             )
             return AttnOutput(out, probs)
-        if not self.cfg.fused:
-            return AttnOutput(self._explicit(q, k, v, ctx, scale, p))
         n, m = q.shape[-2], k.shape[-2]
-        mask = None  # bool, True = attend, broadcast to [b,h,n,m]
+        keep = None  # bool [b,1,1,m], True = attend
         if ctx.key_mask is not None:
-            mask = ctx.key_mask[:, None, None, :].to(torch.bool)  # [b,1,1,m]
-        if ctx.causal and (mask is not None or n != m):
-            cm = causal_mask(n, m, q.device)  # [n,m]
-            mask = cm if mask is None else mask & cm
-        out = sdpa(q, k, v, attn_mask=mask, dropout_p=p, is_causal=ctx.causal and mask is None,
-                   scale=scale)  # [b,h,n,dv]
-        live = rows_with_keys(ctx.key_mask, ctx.causal, n, m)
+            keep = ctx.key_mask[:, None, None, :].to(torch.bool)
+        if self.cfg.fused:
+            mask = keep  # broadcast to [b,h,n,m]
+            if ctx.causal and (mask is not None or n != m):
+                cm = causal_mask(n, m, q.device)  # [n,m]
+                mask = cm if mask is None else mask & cm
+            out = sdpa(q, k, v, attn_mask=mask, dropout_p=p,
+                       is_causal=ctx.causal and mask is None, scale=scale)  # [b,h,n,dv]
+        else:
+            out = self._explicit(q, k, v, keep, ctx.causal, scale, p)
+        live = rows_with_keys(ctx.key_mask, ctx.causal, n, m)  # rows with no key give 0
         if live is not None:
             out = torch.where(live, out, torch.zeros((), dtype=out.dtype, device=out.device))
         return AttnOutput(out)
 
     @staticmethod
-    def _explicit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext,
-                  scale: float, p: float) -> torch.Tensor:
-        """The vanilla Transformer's attention (``fused=False``): out [b,h,n,dv]; rows with
-        no allowed key give 0, as on the fused path."""
+    def _explicit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  keep: torch.Tensor | None, causal: bool, scale: float, p: float
+                  ) -> torch.Tensor:
+        """The vanilla Transformer's attention (``fused=False``): out [b,h,n,dv]; keep
+        [b,1,1,m] bool or None. Not ``core.reference_attention``: the oracle's [b,h,n,m]
+        boolean masks would make this baseline heavier than the vanilla one."""
         n, m = q.shape[-2], k.shape[-2]
         scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)  # [b,h,n,m]
         low = torch.finfo(scores.dtype).min
-        if ctx.key_mask is not None:  # lowest value at masked keys (BERT eager adds it)
-            keep = ctx.key_mask[:, None, None, :].to(torch.bool)  # [b,1,1,m]
+        if keep is not None:  # lowest value at masked keys (BERT eager adds it)
             scores = scores.masked_fill(~keep, low)
-        if ctx.causal:
+        if causal:
             scores = scores.masked_fill(~causal_mask(n, m, q.device), low)
         probs = torch.softmax(scores, dim=-1)  # [b,h,n,m], kept by autograd
         if p > 0:
             probs = F.dropout(probs, p, training=True)
-        out = torch.matmul(probs, v)  # [b,h,n,dv]
-        live = rows_with_keys(ctx.key_mask, ctx.causal, n, m)
-        if live is not None:
-            out = torch.where(live, out, torch.zeros((), dtype=out.dtype, device=out.device))
-        return out
+        return torch.matmul(probs, v)  # [b,h,n,dv]
