@@ -73,6 +73,7 @@ def _line(**change) -> str:
     (_line(label=True), "bad label True"),
     (_line(text="no marks at all"), "exactly one marked segment"),
     (_line(text="\x03 closed before \x02 opened"), "comes before"),
+    (_line(text="an empty \x02\x03 segment"), "marked segment is empty"),
     (json.dumps({"text": "x"}), "expected an object"),
 ])
 def test_loader_names_file_and_line(tmp_path, bad, match):
@@ -80,6 +81,15 @@ def test_loader_names_file_and_line(tmp_path, bad, match):
     with pytest.raises(DataFormatError, match=match) as err:
         get_task("text").load("train", tmp_path)
     assert f"{tmp_path / 'train.jsonl'}:2:" in str(err.value)
+
+
+def test_a_byte_that_is_not_utf8_names_file_and_line(tmp_path):
+    # read_lines decodes line by line: the error names the line, not a block offset
+    (tmp_path / "train.jsonl").write_bytes(
+        (_line() + "\n").encode() * 3 + b'{"text": "caf\xe9"}\n')
+    with pytest.raises(DataFormatError, match=r"train.jsonl:4: byte 0xe9 at column 14 is "
+                       "not UTF-8; save the file as UTF-8"):
+        get_task("text").load("train", tmp_path)
 
 
 def test_encode_is_cls_bytes_sep(tmp_path):

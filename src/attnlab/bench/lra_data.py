@@ -12,10 +12,16 @@ len(tokenizer)``):
   ``min(2000, L - 1)`` tokens and more than ``min(500, that // 4)``; 15 symbols;
 - ``recall``: MQAR with Zoology's defaults (``tasks.recall``: 8 key-value pairs, power law
   ``a = 0.01``, random filler) at sequence length L (L - 1 when L is odd) and vocabulary
-  8,192, or the next power of two above L when L reaches it (Zoology needs V > L);
-- ``text``: documents from SST-2 (``tasks.bytetext``) of ``L // 2 - 1`` to ``L - 2`` bytes,
-  so the whole document, marked segment included, fits ``[CLS] bytes [SEP]``; read from
-  ``data_dir`` (the shared data root holding ``glue/SST-2``).
+  8,192, or the next power of two above L when L reaches it (Zoology needs V > L). The
+  pairs do not grow with L (Zoology's sweeps grow them), and the power law keeps most
+  queries near them: the median query position is 50 at L = 512
+  (``scripts/lra_task_shapes.py``);
+- ``text``: documents from SST-2 (``tasks.bytetext``) of at most ``L - 2`` bytes, so the
+  whole document, marked segment included, fits ``[CLS] bytes [SEP]``, each aiming at a
+  length drawn from ``L // 2 - 1`` to ``L - 2`` (a document ends at the first sentence that
+  does not fit, so at small L most are shorter: at L = 128, 95% of the dev documents are
+  the marked sentence alone; ``tasks.bytetext``, ``scripts/lra_task_shapes.py``); read
+  from ``data_dir`` (the shared data root holding ``glue/SST-2``).
 
 Evaluation uses each task's dev split (ListOps: LRA's validation split).
 """
@@ -104,7 +110,7 @@ def bench_data(name: str, length: int, train_size: int, eval_size: int,
         task = bt.ByteTextTask()
         tok = symbol_tokenizer(BYTE_NAMES)
         train, dev = docs["train"], docs["dev"]
-        about = (f"SST-2 documents of {low}-{high} bytes labelled by one marked sentence "
-                 f"(seed {DATA_SEED})")
+        about = (f"SST-2 documents of at most {high} bytes (target {low}-{high}) labelled by "
+                 f"one marked sentence (seed {DATA_SEED})")
     return BenchData(task=task, tokenizer=tok, train=task.encode(train, tok, length),
                      eval=task.encode(dev, tok, length), eval_examples=list(dev), about=about)

@@ -189,10 +189,20 @@ def read_lines(path: Path) -> Iterator[tuple[int, str]]:
     """``(1-based line number, line)`` without the line ending; UTF-8, BOM dropped.
 
     Splits on ``\\n`` only (GLUE sentences may contain other Unicode line separators, which
-    ``str.splitlines`` would wrongly split on) and copes with a missing final newline.
+    ``str.splitlines`` would wrongly split on) and copes with a missing final newline. Each
+    line is decoded on its own, so a byte that is not UTF-8 raises DataFormatError naming
+    its ``file:line`` (a text-mode reader decodes in blocks and names no line).
     """
-    with open(path, encoding="utf-8-sig", newline="\n") as fh:
-        for i, line in enumerate(fh, start=1):
+    with open(path, "rb") as fh:
+        for i, raw in enumerate(fh, start=1):
+            if i == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                raw = raw[3:]
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataFormatError(path, i, f"byte {raw[e.start]:#04x} at column "
+                                      f"{e.start + 1} is not UTF-8; save the file as "
+                                      "UTF-8") from None
             if line.endswith("\n"):
                 line = line[:-1]
             if line.endswith("\r"):
