@@ -91,9 +91,10 @@ def official_laplace(x):
     return 0.5 * (1 + torch.erf((x - 0.707107) / (0.282095 * math.sqrt(2.0))))
 
 
-def naive_mega(mech, v, key_mask=None, causal=False):
+def naive_mega(mech, v, key_mask=None, causal=False, drop=None):
     """Eq. 6-15 in float64 with loops: the EMA by recurrence, each query's weights over the
     keys it sees (its chunk, unpadded, j <= i if causal), the relative bias w[P-1+j-i].
+    ``drop(x, p)``: the layer's own dropouts where the official layer has them (X', V, H).
     Returns (out [b,h,n,d], map [b,n,n])."""
     cfg = mech.cfg
     b, h, n, d = v.shape
@@ -103,6 +104,8 @@ def naive_mega(mech, v, key_mask=None, causal=False):
     W = {name: p.double() for name, p in mech.named_parameters()}
     xe = naive_ema(mech.ema, x, causal)  # X' (eq. 6)
     value = F.silu(x @ W["value.weight"].T + W["value.bias"])  # V (eq. 10)
+    if drop is not None:  # official: self.dropout(mx), self.hidden_dropout(v)
+        xe, value = drop(xe, cfg.dropout), drop(value, cfg.hidden_dropout)
     proj = xe @ W["from_ema.weight"].T + W["from_ema.bias"]
     z, gamma, phi, hx = proj.split([cfg.zdim, mech.hv, h * d, h * d], -1)
     z, gamma, phi = F.silu(z), F.silu(gamma), torch.sigmoid(phi)  # eq. 7, 12, 13
@@ -128,6 +131,8 @@ def naive_mega(mech, v, key_mask=None, causal=False):
             o[bi, i] = p @ value[bi, js]  # eq. 11
             amap[bi, i, js] = p
     hid = F.silu(hx + (gamma * o) @ W["out_gate.weight"].T + W["out_gate.bias"])  # eq. 14
+    if drop is not None:  # official: self.dropout(h)
+        hid = drop(hid, cfg.dropout)
     y = (phi * hid + (1 - phi) * x) * keep[..., None]  # eq. 15; padded positions 0
     amap = amap * keep[..., None]
     return y.view(b, n, h, d).transpose(1, 2), amap
@@ -397,6 +402,65 @@ def test_dropout_applies_to_the_attention_weights_in_training_only():
     assert not torch.allclose(mech(q, k, v, c).out, ref)
 
 
+def _fixed_mask(x, p):
+    """A dropout mask drawn from (shape, p) alone, in x's dtype: the same in the mechanism
+    (float32) and in the float64 reference."""
+    g = torch.Generator().manual_seed(hash((tuple(x.shape), round(p, 6))) % 2**31)
+    return x * (torch.rand(x.shape, generator=g, dtype=torch.float64) >= p).to(x.dtype) / (1 - p)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_layer_dropouts_sit_where_the_official_layer_puts_them(monkeypatch, causal):
+    """dropout on X' and H, hidden_dropout on V (official moving_average_gated_attention.py),
+    in training only: with the masks fixed, the mechanism equals the reference that drops
+    at those three places; in eval mode it equals the reference without drops."""
+    from attnlab.mechanisms import mega as mega_module
+
+    monkeypatch.setattr(mega_module, "_drop",
+                        lambda x, p, training: _fixed_mask(x, p) if training and p > 0 else x)
+    mech = build("mega(ndim=4, zdim=8, chunk=5, dropout=0.3, hidden_dropout=0.2)")
+    key_mask = lengths_mask(12, [12, 9, 5])
+    v = rand_qkv(12)[2]
+    c = ctx(key_mask=key_mask, causal=causal)
+    with torch.no_grad():
+        plain = mech(v, v, v, c).out
+        dropped = mech.train()(v, v, v, c).out
+    torch.testing.assert_close(plain.double(), naive_mega(mech, v, key_mask, causal)[0], **TOL)
+    ref = naive_mega(mech, v, key_mask, causal, drop=_fixed_mask)[0]
+    torch.testing.assert_close(dropped.double(), ref, **TOL)
+    assert not torch.allclose(dropped, plain)
+
+
+@pytest.mark.parametrize("spec", ["mega(ndim=4, zdim=8, chunk=5, dropout=0.3)",
+                                  "mega(ndim=4, zdim=8, hidden_dropout=0.4)"])
+def test_the_recomputed_backward_draws_the_forwards_dropout_masks(monkeypatch, spec):
+    """The checkpointed regions stash the RNG state when the layer's own dropouts are on:
+    the gradients equal those of the same seeded step run without checkpoints."""
+    from attnlab.mechanisms import mega as mega_module
+
+    mech = build(spec).train()
+    v0 = rand_qkv(11)[2]
+
+    def grads():
+        v = v0.clone().requires_grad_()
+        torch.manual_seed(3)
+        (mech(v, v, v, ctx()).out * torch.linspace(-1, 1, 11)[:, None]).sum().backward()
+        out = [v.grad] + [p.grad.clone() for p in mech.parameters()]
+        mech.zero_grad()
+        return out
+
+    checkpointed = grads()
+    monkeypatch.setattr(mega_module, "checkpoint", lambda fn, *a, **kw: fn(*a))
+    for a, b in zip(checkpointed, grads(), strict=True):
+        torch.testing.assert_close(a, b, **EXACT)
+
+
+def test_own_dropouts_stay_out_of_the_spec_at_zero():
+    spell = attnlab.core.config_spec
+    assert "dropout" not in spell(build("mega(chunk=8)", perturb=False).cfg)
+    assert "hidden_dropout=0.1" in spell(build("mega(chunk=8, hidden_dropout=0.1)").cfg)
+
+
 def test_caps_and_config_dependent_declarations():
     whole = build("mega", perturb=False)
     chunked = build("mega(chunk=16)", perturb=False, max_len=None)
@@ -425,6 +489,8 @@ def test_init_is_deterministic_from_the_global_seed():
     ("mega(chunk=0)", "chunk must be >= 1"),
     ("mega(ndim=0)", "ndim must be >= 1"),
     ("mega(attention_fn='relu')", r"one of \['softmax', 'laplace'\]"),
+    ("mega(dropout=1.0)", r"dropout must be in \[0, 1\)"),
+    ("mega(hidden_dropout=-0.1)", r"hidden_dropout must be in \[0, 1\)"),
 ])
 def test_bad_specs_name_the_fix(spec, match):
     with pytest.raises(RegistryError, match=match):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 import torch
@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..core import (
+    OMIT_DEFAULT,
     AttnContext,
     AttnOutput,
     Capabilities,
@@ -46,6 +47,11 @@ def _check(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def _drop(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """Elementwise dropout of the layer's own (``MegaConfig.dropout``, ``hidden_dropout``)."""
+    return F.dropout(x, p, training=True) if training and p > 0 else x
+
+
 def laplace(x: torch.Tensor) -> torch.Tensor:
     """f_laplace(x) = 0.5 * (1 + erf((x - mu) / (sigma sqrt 2))), elementwise."""
     return 0.5 * (1.0 + torch.erf((x - LAPLACE_MU) / (LAPLACE_SIGMA * math.sqrt(2.0))))
@@ -59,6 +65,11 @@ class MegaConfig(MechanismConfig):
     hdim: int | None = None  # v: size of V and of the reset gate (eq. 10, 12); None = 2*D
     attention_fn: Literal["softmax", "laplace"] = "softmax"  # f in eq. 11
     chunk: int | None = None  # c: MEGA-chunk's chunk size (linear cost); None = whole sequence
+    # the official layer's own dropouts, in training (the host's attention dropout is the
+    # official attention_dropout): ``dropout`` on X' (the EMA's output) and on H (eq. 14),
+    # ``hidden_dropout`` on V (eq. 10); left out of the spec at 0
+    dropout: float = field(default=0.0, metadata=OMIT_DEFAULT)
+    hidden_dropout: float = field(default=0.0, metadata=OMIT_DEFAULT)
 
     def __post_init__(self) -> None:
         _check(self.ndim >= 1, f"mega ndim must be >= 1 (EMA dimensions per channel), got "
@@ -71,6 +82,10 @@ class MegaConfig(MechanismConfig):
                f"'softmax' or 'laplace', got {self.attention_fn!r}")
         _check(self.chunk is None or self.chunk >= 1, f"mega chunk must be >= 1 or None (no "
                f"chunking), got {self.chunk}; the paper's MEGA-chunk uses 128 or more")
+        for name in ("dropout", "hidden_dropout"):
+            p = getattr(self, name)
+            _check(0.0 <= p < 1.0, f"mega {name} must be in [0, 1), got {p}; the LRA "
+                   "configurations of the paper use 0 to 0.1")
 
 
 @register_mechanism(MegaConfig)
@@ -124,10 +139,15 @@ class Mega(nn.Module):
     ``ctx.dropout`` drops attention weights in training (the official attention dropout).
     ``need_weights``: the single-head map f(...) [n, n] (block-diagonal with chunks)
     broadcast to every head, rows of padded positions 0; out is not probs @ v (gates follow).
+    ``dropout`` and ``hidden_dropout`` (default 0) are the official layer's own, in
+    training: ``dropout`` on X' (before every map of it) and on H, ``hidden_dropout`` on V
+    (official ``moving_average_gated_attention.py``: ``self.dropout(mx)``,
+    ``self.hidden_dropout(v)``, ``self.dropout(h)``; elementwise, as its default without
+    feature dropout). With either on, the checkpointed regions stash the RNG state so that
+    the backward's recomputation draws the forward's masks.
     Deviations: the official layer's own normalisation (pre-/post-norm) and its residual
     input are the host's (X is the value projection of the host's normalised hidden
-    state; the host's output projection, residual and LayerNorm follow Y); the official
-    feature and hidden dropouts are left to the host's dropout; the score scale is MEGA's
+    state; the host's output projection, residual and LayerNorm follow Y); the score scale is MEGA's
     own (``ctx.scale``, the host's 1/sqrt(d), is not used); the Laplace normalisation
     counts visible keys, which equals the official count except for a causal layer with
     left padding; the official all-padding softmax row (uniform over the padding) is 0 here.
@@ -251,7 +271,7 @@ class Mega(nn.Module):
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """V [b,n,hv], Q, K [b,n,z] from X and X' (eq. 7-10)."""
         zd = self.cfg.zdim
-        value = F.silu(self.value(x))  # V (eq. 10)
+        value = _drop(F.silu(self.value(x)), self.cfg.hidden_dropout, self.training)  # V
         z = F.silu(F.linear(xe, self.from_ema.weight[:zd], self.from_ema.bias[:zd]))  # Z (eq. 7)
         kappa, mu = self.kappa.to(z.dtype), self.mu.to(z.dtype)
         return value, z * kappa[0] + mu[0], z * kappa[1] + mu[1]  # V, Q, K (eq. 8-9)
@@ -265,6 +285,7 @@ class Mega(nn.Module):
         gate = F.silu(gate)  # gamma [b,n,hv] (eq. 12)
         upd = torch.sigmoid(upd)  # phi [b,n,D] (eq. 13)
         hid = F.silu(hx + self.out_gate(gate * o))  # H [b,n,D] (eq. 14)
+        hid = _drop(hid, self.cfg.dropout, self.training)
         return torch.addcmul(x, upd, hid - x)  # (eq. 15)
 
     def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
@@ -284,18 +305,20 @@ class Mega(nn.Module):
         x = v.transpose(1, 2).reshape(b, n, h * d)  # X [b,n,D]: the heads merged
         if keep is not None:
             x = x * keep[..., None].to(x.dtype)  # padded positions zeroed (official)
-        xe = self.ema(x, keep, ctx.causal)  # X' [b,n,D] (eq. 6)
-        # the gates' activations are recomputed in the backward; the regions draw no random
-        # numbers, so the RNG state need not be stashed for the recomputation
+        xe = _drop(self.ema(x, keep, ctx.causal), self.cfg.dropout, self.training)  # X' (eq. 6)
+        # the gates' activations are recomputed in the backward; the regions draw random
+        # numbers only for the layer's own dropouts, and then the RNG state is stashed so
+        # that the recomputation draws the same masks
+        stash = self.training and (self.cfg.dropout > 0 or self.cfg.hidden_dropout > 0)
         if torch.is_grad_enabled():
             value, qz, kz = checkpoint(self._value_query_key, x, xe, use_reentrant=False,
-                                       preserve_rng_state=False)
+                                       preserve_rng_state=stash)
         else:
             value, qz, kz = self._value_query_key(x, xe)
         o, weights = self.attend(qz, kz, value, keep, ctx)  # O [b,n,hv] (eq. 11)
         if torch.is_grad_enabled():
             y = checkpoint(self._gated_output, x, xe, o, use_reentrant=False,
-                           preserve_rng_state=False)
+                           preserve_rng_state=stash)
         else:
             y = self._gated_output(x, xe, o)  # Y [b,n,D]
         if keep is not None:
