@@ -101,4 +101,17 @@ def test_encode_is_cls_bytes_sep(tmp_path):
     feats = task.encode(ex, tok, max_length=512)
     assert feats[0]["input_ids"] == [2, *(5 + b for b in raw), 3]
     assert feats[0]["labels"] == 1
-    assert len(task.encode(ex, tok, max_length=10)[0]["input_ids"]) == 10
+    with pytest.warns(UserWarning, match=r"1 of 1 documents lose \(part of\) their marked "
+                      r"segment at max_length 10.*--max-bytes 8"):
+        assert len(task.encode(ex, tok, max_length=10)[0]["input_ids"]) == 10
+
+
+def test_encode_warns_only_when_a_marked_segment_is_cut(tmp_path, recwarn):
+    text = "dull . \x02a gorgeous film\x03 so so"  # the closing mark is byte 23
+    write(tmp_path / "dev.jsonl", _line(text=text) + "\n" + _line(text="\x02ok\x03") + "\n")
+    task, tok = get_task("text"), symbol_tokenizer(BYTE_NAMES)
+    ex = task.load("dev", tmp_path)
+    task.encode(ex, tok, max_length=26)  # bytes 0..23 kept: the segment is whole
+    assert not recwarn.list
+    with pytest.warns(UserWarning, match="1 of 2 documents"):
+        task.encode(ex, tok, max_length=25)

@@ -49,6 +49,7 @@ from __future__ import annotations
 import functools
 import json
 import random
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -274,12 +275,20 @@ class ByteTextTask:
             raise ValueError(f"max_length must be >= 2 ([CLS] and [SEP]), got {max_length}")
         ids = np.asarray(symbol_ids(tokenizer, BYTE_NAMES), dtype=np.int64)
         cls, sep = tokenizer.cls_token_id, tokenizer.sep_token_id
-        feats = []
+        feats, cut = [], 0
         for i, ex in enumerate(examples):
-            raw = np.frombuffer(ex.text.encode("utf-8")[: max_length - 2], dtype=np.uint8)
+            data = ex.text.encode("utf-8")
+            cut += data.find(MARK_CLOSE.encode()) >= max_length - 2  # the segment's end is lost
+            raw = np.frombuffer(data[: max_length - 2], dtype=np.uint8)
             body = ids[raw].tolist()
             feats.append({"input_ids": [cls, *body, sep], "attention_mask": [1] * (len(body) + 2),
                           "labels": ex.label, "example_index": i})
+        if cut:
+            warnings.warn(f"text: {cut} of {len(examples)} documents lose (part of) their marked "
+                          f"segment at max_length {max_length}, so their label cannot be read; "
+                          f"generate documents of at most {max_length - 2} bytes (`attnlab data "
+                          f"text --max-bytes {max_length - 2}` with a --min-bytes below it) or "
+                          "raise max_length", stacklevel=2)
         return feats
 
     def collator(self, tokenizer: Any, seed: int = 0) -> Callable[[list[Feature]], dict]:
