@@ -9,6 +9,7 @@ from .protocol import (
     Mechanism,
     MechanismConfig,
     check_qkv,
+    require,
 )
 from .reference import causal_mask, masked_softmax, reference_attention
 from .registry import (
@@ -64,5 +65,6 @@ __all__ = [
     "pattern_bias",
     "reference_attention",
     "register_mechanism",
+    "require",
     "resolve_config",
 ]

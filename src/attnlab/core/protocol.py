@@ -173,6 +173,13 @@ class Mechanism(Protocol):
     ) -> AttnOutput: ...
 
 
+def require(ok: bool, message: str) -> None:
+    """Raise ValueError(message) unless ``ok``: the one-line checks of configs and inputs
+    (``message`` names the problem and the fix)."""
+    if not ok:
+        raise ValueError(message)
+
+
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dims: HeadDims | None = None,
               kv_heads_ok: tuple[int, ...] = ()) -> None:
     """Validate ranks and shapes of q [b,h,n,d], k [b,h',m,d], v [b,h',m,dv].

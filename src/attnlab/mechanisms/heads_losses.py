@@ -25,17 +25,13 @@ from ..core import (
     check_qkv,
     reference_attention,
     register_mechanism,
+    require,
 )
 from ..core.masks import positions
 from ._rowchunks import attend_rows, draws_dropout, in_row_chunks
 
 FAMILY = "heads"
 EPS = 1e-12  # floor of the norms in the cosine similarities (all-padding examples -> 0)
-
-
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ValueError(msg)
 
 
 def query_rows(key_mask: torch.Tensor | None, n: int, m: int) -> torch.Tensor | None:
@@ -75,12 +71,12 @@ class DisagreementConfig(MechanismConfig):
     weight: float = 1.0  # lambda: weight of the disagreement term in the objective
 
     def __post_init__(self) -> None:
-        _check(len(self.terms) > 0, "disagreement needs at least one term; choose from "
-               f"{', '.join(TERMS)}, e.g. terms=['output']")
-        _check(len(set(self.terms)) == len(self.terms), f"disagreement terms repeat: "
-               f"{list(self.terms)}; list each of {', '.join(TERMS)} at most once")
-        _check(self.weight >= 0, f"disagreement weight (lambda) must be >= 0, got "
-               f"{self.weight}; a negative weight would reward agreement")
+        require(len(self.terms) > 0, "disagreement needs at least one term; choose from "
+                f"{', '.join(TERMS)}, e.g. terms=['output']")
+        require(len(set(self.terms)) == len(self.terms), f"disagreement terms repeat: "
+                f"{list(self.terms)}; list each of {', '.join(TERMS)} at most once")
+        require(self.weight >= 0, f"disagreement weight (lambda) must be >= 0, got "
+                f"{self.weight}; a negative weight would reward agreement")
 
 
 def _mean_cosine(x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
@@ -206,9 +202,9 @@ class PatternLossConfig(MechanismConfig):
     weight: float = 10.0  # alpha: weight of the attention-guidance loss (official scale 10)
 
     def __post_init__(self) -> None:
-        _check(len(self.patterns) > 0, "pattern_loss needs at least one pattern; choose "
-               f"from {', '.join(PATTERNS)}, e.g. patterns=['prev', 'next']")
-        _check(self.weight >= 0, f"pattern_loss weight must be >= 0, got {self.weight}")
+        require(len(self.patterns) > 0, "pattern_loss needs at least one pattern; choose "
+                f"from {', '.join(PATTERNS)}, e.g. patterns=['prev', 'next']")
+        require(self.weight >= 0, f"pattern_loss weight must be >= 0, got {self.weight}")
 
 
 def pattern_target(pattern: str, allowed: torch.Tensor, first_row: int = 0) -> torch.Tensor:
@@ -263,9 +259,9 @@ class PatternLoss(nn.Module):
     def __init__(self, cfg: PatternLossConfig, dims: HeadDims) -> None:
         super().__init__()
         self.cfg, self.dims = cfg, dims
-        _check(len(cfg.patterns) <= dims.num_heads, f"pattern_loss got {len(cfg.patterns)} "
-               f"patterns for {dims.num_heads} heads; give at most one per head (head i "
-               "gets patterns[i % len(patterns)])")
+        require(len(cfg.patterns) <= dims.num_heads, f"pattern_loss got {len(cfg.patterns)} "
+                f"patterns for {dims.num_heads} heads; give at most one per head (head i "
+                "gets patterns[i % len(patterns)])")
         self.head_patterns = tuple(cfg.patterns[i % len(cfg.patterns)]
                                    for i in range(dims.num_heads))
 

@@ -29,16 +29,12 @@ from ..core import (
     check_qkv,
     masked_softmax,
     register_mechanism,
+    require,
 )
 from ..core.masks import positions
 from .dense import Softmax, SoftmaxConfig
 
 FAMILY = "heads"
-
-
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ValueError(msg)
 
 
 # ------------------------------------------------------------------ CP decomposition (ALS)
@@ -151,10 +147,10 @@ def collaborative_from_heads(
     :class:`CollaborativeFactors` in w_q's dtype and device.
     """
     hd, big_d = w_q.shape
-    _check(w_k.shape == w_q.shape, f"W_Q {tuple(w_q.shape)} and W_K {tuple(w_k.shape)} must "
-           "have the same shape [h*d, D]")
-    _check(hd % num_heads == 0, f"W_Q has {hd} rows, not a multiple of {num_heads} heads")
-    _check(dk_shared >= 1, f"dk_shared must be >= 1, got {dk_shared}")
+    require(w_k.shape == w_q.shape, f"W_Q {tuple(w_q.shape)} and W_K {tuple(w_k.shape)} must "
+            "have the same shape [h*d, D]")
+    require(hd % num_heads == 0, f"W_Q has {hd} rows, not a multiple of {num_heads} heads")
+    require(dk_shared >= 1, f"dk_shared must be >= 1, got {dk_shared}")
     d = hd // num_heads
     wq = w_q.detach().to(torch.float64).view(num_heads, d, big_d)  # [h,d,D]
     wk = w_k.detach().to(torch.float64).view(num_heads, d, big_d)  # [h,d,D]
@@ -217,11 +213,11 @@ class CollaborativeConfig(MechanismConfig):
     als_tol: float = 1e-6  # conversion: stop when the relative error moves less (official)
 
     def __post_init__(self) -> None:
-        _check(self.dk_shared is None or self.dk_shared >= 1, "collaborative dk_shared "
-               f"(D~_k) must be >= 1, got {self.dk_shared}; leave it None for h*d")
-        _check(self.als_iters >= 1, f"collaborative als_iters must be >= 1, got "
-               f"{self.als_iters}")
-        _check(self.als_tol >= 0, f"collaborative als_tol must be >= 0, got {self.als_tol}")
+        require(self.dk_shared is None or self.dk_shared >= 1, "collaborative dk_shared "
+                f"(D~_k) must be >= 1, got {self.dk_shared}; leave it None for h*d")
+        require(self.als_iters >= 1, f"collaborative als_iters must be >= 1, got "
+                f"{self.als_iters}")
+        require(self.als_tol >= 0, f"collaborative als_tol must be >= 0, got {self.als_tol}")
 
 
 @register_mechanism(CollaborativeConfig)
@@ -265,9 +261,9 @@ class Collaborative(nn.Module):
         self.cfg, self.dims = cfg, dims
         h, d = dims.num_heads, dims.head_dim
         self.dk = cfg.dk_shared if cfg.dk_shared is not None else h * d
-        _check(self.dk % d == 0, f"collaborative dk_shared={self.dk} must be a multiple of "
-               f"the head dim d={d} (the host splits the shared projections into heads of d); "
-               f"use dk_shared={max(d, self.dk // d * d)} or {(self.dk // d + 1) * d}")
+        require(self.dk % d == 0, f"collaborative dk_shared={self.dk} must be a multiple of "
+                f"the head dim d={d} (the host splits the shared projections into heads of d); "
+                f"use dk_shared={max(d, self.dk // d * d)} or {(self.dk // d + 1) * d}")
         self.mixing = nn.Parameter(torch.empty(h, self.dk))  # M [h,Dk]: m_h
         self.content = nn.Parameter(torch.zeros(h, self.dk))  # U [h,Dk]: content bias u_h
         self.attend = Softmax(SoftmaxConfig(), dims)
@@ -296,12 +292,12 @@ class Collaborative(nn.Module):
         ``load_pretrained`` passes convert=False (the saved weights follow)."""
         h, d = self.dims.num_heads, self.dims.head_dim
         for name, lin in (("query", query), ("key", key)):
-            _check(isinstance(lin, nn.Linear), f"collaborative replaces the {name} projection "
-                   f"but it is a {type(lin).__name__}, not an nn.Linear; apply the plan before "
-                   "tuners that wrap projections")
-            _check(lin.out_features == h * d and lin.in_features == query.in_features,
-                   f"collaborative: the {name} projection maps {lin.in_features} -> "
-                   f"{lin.out_features}, expected D -> h*d = {h * d}")
+            require(isinstance(lin, nn.Linear), f"collaborative replaces the {name} projection "
+                    f"but it is a {type(lin).__name__}, not an nn.Linear; apply the plan before "
+                    "tuners that wrap projections")
+            require(lin.out_features == h * d and lin.in_features == query.in_features,
+                    f"collaborative: the {name} projection maps {lin.in_features} -> "
+                    f"{lin.out_features}, expected D -> h*d = {h * d}")
         w = query.weight
         new = [nn.Linear(query.in_features, self.dk, bias=False, device=w.device,
                          dtype=w.dtype) for _ in range(2)]
@@ -320,17 +316,17 @@ class Collaborative(nn.Module):
 
     def _shared(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """[b, Dk/d, L, d] (the host's view of the shared projection) -> [b, L, Dk]."""
-        _check(x.dim() == 4 and x.shape[1] * x.shape[3] == self.dk, f"collaborative: {name} "
-               f"must be [b, Dk/d, L, d] with Dk = dk_shared = {self.dk}, got "
-               f"{tuple(x.shape)}; was the plan applied by attnlab.apply_plan?")
+        require(x.dim() == 4 and x.shape[1] * x.shape[3] == self.dk, f"collaborative: {name} "
+                f"must be [b, Dk/d, L, d] with Dk = dk_shared = {self.dk}, got "
+                f"{tuple(x.shape)}; was the plan applied by attnlab.apply_plan?")
         return x.transpose(1, 2).reshape(x.shape[0], x.shape[2], self.dk)
 
     def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
         qs, ks = self._shared(q, "q"), self._shared(k, "k")  # [b,n,Dk], [b,m,Dk]
         b, m, h = qs.shape[0], ks.shape[1], self.dims.num_heads
-        _check(ks.shape[0] == b, f"batch sizes differ: q {b}, k {ks.shape[0]}")
-        _check(v.dim() == 4 and v.shape[1] == h and v.shape[0] == b and v.shape[2] == m,
-               f"collaborative: v must be [b={b}, h={h}, m={m}, dv], got {tuple(v.shape)}")
+        require(ks.shape[0] == b, f"batch sizes differ: q {b}, k {ks.shape[0]}")
+        require(v.dim() == 4 and v.shape[1] == h and v.shape[0] == b and v.shape[2] == m,
+                f"collaborative: v must be [b={b}, h={h}, m={m}, dv], got {tuple(v.shape)}")
         mix, u = self.mixing.to(qs.dtype), self.content.to(qs.dtype)
         mixed = qs[:, None] * mix[None, :, None, :] + u[None, :, None, :]  # [b,h,n,Dk]
         keys = ks[:, None].expand(b, h, m, self.dk)  # [b,h,m,Dk], no copy
@@ -350,13 +346,13 @@ class AdaptiveSpanConfig(MechanismConfig):
     weight: float = 2e-6  # lambda: L1 span penalty (official adapt_span_loss, small models)
 
     def __post_init__(self) -> None:
-        _check(self.max_span >= 1, f"adaptive_span max_span (S) must be >= 1, got "
-               f"{self.max_span}")
-        _check(self.ramp >= 1, f"adaptive_span ramp (R) must be >= 1, got {self.ramp}")
-        _check(0.0 <= self.init <= 1.0, f"adaptive_span init is the initial span ratio "
-               f"z_0 / max_span and must lie in [0, 1], got {self.init}")
-        _check(self.weight >= 0, f"adaptive_span weight (lambda) must be >= 0, got "
-               f"{self.weight}")
+        require(self.max_span >= 1, f"adaptive_span max_span (S) must be >= 1, got "
+                f"{self.max_span}")
+        require(self.ramp >= 1, f"adaptive_span ramp (R) must be >= 1, got {self.ramp}")
+        require(0.0 <= self.init <= 1.0, f"adaptive_span init is the initial span ratio "
+                f"z_0 / max_span and must lie in [0, 1], got {self.init}")
+        require(self.weight >= 0, f"adaptive_span weight (lambda) must be >= 0, got "
+                f"{self.weight}")
 
 
 NORM_EPS = 1e-8  # the official renormalisation's epsilon: attn / (attn.sum(-1) + 1e-8)

@@ -25,6 +25,7 @@ from ..core import (
     check_qkv,
     pattern_bias,
     register_mechanism,
+    require,
 )
 from ..core.masks import band_pattern
 from .dense import Softmax, SoftmaxConfig
@@ -32,11 +33,6 @@ from .sparse import Band, BandConfig
 
 FAMILY = "heads"
 GLOBAL = -1  # a window (scale) that covers the whole sequence
-
-
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ValueError(msg)
 
 
 # ----------------------------------------------------------------------------- multiscale
@@ -50,17 +46,17 @@ class MultiScaleConfig(MechanismConfig):
     spread: int = 2  # K_0: scales used by layer 0; layer l uses the first min(|Omega|, K_0 + l)
 
     def __post_init__(self) -> None:
-        _check(all(w >= GLOBAL for w in self.windows),
-               f"multiscale windows must be >= 0 (or -1 for a global head), got "
-               f"{list(self.windows)}")
-        _check(len(self.scales) > 0, "multiscale scales must list at least one scale, e.g. "
-               "scales=[1, 4, -1]")
+        require(all(w >= GLOBAL for w in self.windows),
+                f"multiscale windows must be >= 0 (or -1 for a global head), got "
+                f"{list(self.windows)}")
+        require(len(self.scales) > 0, "multiscale scales must list at least one scale, e.g. "
+                "scales=[1, 4, -1]")
         finite = [s for s in self.scales if s != GLOBAL]
-        _check(all(s >= 0 for s in finite) and GLOBAL not in self.scales[:-1]
-               and finite == sorted(set(finite)),
-               f"multiscale scales must be distinct windows >= 0 in ascending order, "
-               f"optionally ending with -1 (global), got {list(self.scales)}")
-        _check(self.spread >= 1, f"multiscale spread must be >= 1, got {self.spread}")
+        require(all(s >= 0 for s in finite) and GLOBAL not in self.scales[:-1]
+                and finite == sorted(set(finite)),
+                f"multiscale scales must be distinct windows >= 0 in ascending order, "
+                f"optionally ending with -1 (global), got {list(self.scales)}")
+        require(self.spread >= 1, f"multiscale spread must be >= 1, got {self.spread}")
         default = MultiScaleConfig.__dataclass_fields__
         if self.windows and (self.scales != default["scales"].default
                              or self.spread != default["spread"].default):
@@ -174,8 +170,8 @@ class CapsuleRoutingConfig(MechanismConfig):
     iterations: int = 3  # r: dynamic-routing iterations
 
     def __post_init__(self) -> None:
-        _check(self.iterations >= 1,
-               f"capsule_routing iterations must be >= 1, got {self.iterations}")
+        require(self.iterations >= 1,
+                f"capsule_routing iterations must be >= 1, got {self.iterations}")
 
 
 def squash(s: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
@@ -241,9 +237,9 @@ class CapsuleRouting(nn.Module):
 
     def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
         check_qkv(q, k, v, self.dims)
-        _check(v.shape[-1] == self.dims.head_dim,
-               f"capsule_routing was built for value head dim {self.dims.head_dim} but v has "
-               f"{v.shape[-1]}; build it with HeadDims(head_dim={v.shape[-1]})")
+        require(v.shape[-1] == self.dims.head_dim,
+                f"capsule_routing was built for value head dim {self.dims.head_dim} but v has "
+                f"{v.shape[-1]}; build it with HeadDims(head_dim={v.shape[-1]})")
         res = self.attend(q, k, v, ctx)  # input capsules [b,h,n,d] (+ probs)
         if not torch.is_grad_enabled():
             return AttnOutput(self.route(res.out), res.probs)
@@ -262,7 +258,7 @@ class GroupedQueryConfig(MechanismConfig):
     kv_heads: int = 1  # g: K/V heads; each serves a group of h/g consecutive query heads
 
     def __post_init__(self) -> None:
-        _check(self.kv_heads >= 1, f"gqa kv_heads must be >= 1, got {self.kv_heads}")
+        require(self.kv_heads >= 1, f"gqa kv_heads must be >= 1, got {self.kv_heads}")
 
 
 def group_kv_heads(x: torch.Tensor, num_heads: int, kv_heads: int) -> torch.Tensor:
@@ -339,7 +335,7 @@ class HeadSizeConfig(MechanismConfig):
     def __post_init__(self) -> None:
         for key in ("dk", "dv"):
             val = getattr(self, key)
-            _check(val is None or val >= 1, f"head_size {key} must be >= 1, got {val}")
+            require(val is None or val >= 1, f"head_size {key} must be >= 1, got {val}")
 
 
 @register_mechanism(HeadSizeConfig)

@@ -31,6 +31,7 @@ from ..core import (
     MechanismConfig,
     check_qkv,
     register_mechanism,
+    require,
 )
 from ._ema import DampedEMA
 
@@ -40,11 +41,6 @@ FAMILY = "mega"
 # (chosen so that f_laplace approximates relu^2 near the origin; official ``utils.laplace``).
 LAPLACE_MU = math.sqrt(0.5)
 LAPLACE_SIGMA = math.sqrt(0.25 / math.pi)
-
-
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
 
 
 def _drop(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
@@ -72,19 +68,19 @@ class MegaConfig(MechanismConfig):
     hidden_dropout: float = field(default=0.0, metadata=OMIT_DEFAULT)
 
     def __post_init__(self) -> None:
-        _check(self.ndim >= 1, f"mega ndim must be >= 1 (EMA dimensions per channel), got "
-               f"{self.ndim}; the paper uses 16")
-        _check(self.zdim >= 1, f"mega zdim must be >= 1 (the Q/K size z), got {self.zdim}; "
-               "the paper uses 64-128")
-        _check(self.hdim is None or self.hdim >= 1, f"mega hdim must be >= 1 or None (= 2*D), "
-               f"got {self.hdim}")
-        _check(self.attention_fn in ("softmax", "laplace"), f"mega attention_fn must be "
-               f"'softmax' or 'laplace', got {self.attention_fn!r}")
-        _check(self.chunk is None or self.chunk >= 1, f"mega chunk must be >= 1 or None (no "
-               f"chunking), got {self.chunk}; the paper's MEGA-chunk uses 128 or more")
+        require(self.ndim >= 1, f"mega ndim must be >= 1 (EMA dimensions per channel), got "
+                f"{self.ndim}; the paper uses 16")
+        require(self.zdim >= 1, f"mega zdim must be >= 1 (the Q/K size z), got {self.zdim}; "
+                "the paper uses 64-128")
+        require(self.hdim is None or self.hdim >= 1, f"mega hdim must be >= 1 or None (= 2*D), "
+                f"got {self.hdim}")
+        require(self.attention_fn in ("softmax", "laplace"), f"mega attention_fn must be "
+                f"'softmax' or 'laplace', got {self.attention_fn!r}")
+        require(self.chunk is None or self.chunk >= 1, f"mega chunk must be >= 1 or None (no "
+                f"chunking), got {self.chunk}; the paper's MEGA-chunk uses 128 or more")
         for name in ("dropout", "hidden_dropout"):
             p = getattr(self, name)
-            _check(0.0 <= p < 1.0, f"mega {name} must be in [0, 1), got {p}; the LRA "
+            require(0.0 <= p < 1.0, f"mega {name} must be in [0, 1), got {p}; the LRA "
                    "configurations of the paper use 0 to 0.1")
 
 
@@ -291,14 +287,14 @@ class Mega(nn.Module):
     def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
         check_qkv(q, k, v, self.dims)
         b, h, n, d = v.shape
-        _check(q.shape[2] == n, f"mega runs its EMA over the tokens of the sequence "
-               f"(keys_are_tokens): got {q.shape[2]} queries and {n} keys; use it for "
-               "self-attention")
-        _check(d == self.dims.head_dim, f"mega was built for value head dim "
-               f"{self.dims.head_dim} (HeadDims.head_dim) but v has {d}")
-        _check(self.cfg.chunk is not None or n <= self.span, f"mega without chunk was built "
-               f"for at most {self.span} positions (HeadDims.max_len) but the input has {n}; "
-               f"truncate the input or set chunk")
+        require(q.shape[2] == n, f"mega runs its EMA over the tokens of the sequence "
+                f"(keys_are_tokens): got {q.shape[2]} queries and {n} keys; use it for "
+                "self-attention")
+        require(d == self.dims.head_dim, f"mega was built for value head dim "
+                f"{self.dims.head_dim} (HeadDims.head_dim) but v has {d}")
+        require(self.cfg.chunk is not None or n <= self.span, f"mega without chunk was built "
+                f"for at most {self.span} positions (HeadDims.max_len) but the input has {n}; "
+                f"truncate the input or set chunk")
         keep = None
         if ctx.key_mask is not None:
             keep = ctx.key_mask.to(device=v.device, dtype=torch.bool).expand(b, n)  # [b,n]

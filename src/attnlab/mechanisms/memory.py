@@ -37,15 +37,11 @@ from ..core import (
     check_qkv,
     masked_softmax,
     register_mechanism,
+    require,
 )
 from ._maskedsdpa import masked_sdpa
 
 FAMILY = "memory"
-
-
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ValueError(msg)
 
 
 def _keep(ctx: AttnContext, b: int, m: int, device: torch.device) -> torch.Tensor:
@@ -70,12 +66,12 @@ class MCAConfig(MechanismConfig):
     init: Literal["mean", "random"] = "mean"  # conv init: span mean (I/c per tap) or Conv1d's
 
     def __post_init__(self) -> None:
-        _check(self.compression >= 1, f"mca compression must be >= 1 (kernel = stride = c; "
-               f"1 = no compression), got {self.compression}; the paper uses compression=3")
-        _check(self.local_block >= 0, f"mca local_block must be >= 0 (0 = no block-local "
-               f"keys), got {self.local_block}; the paper's local layers use blocks of 256")
-        _check(self.init in ("mean", "random"), f"mca init must be 'mean' or 'random', got "
-               f"{self.init!r}")
+        require(self.compression >= 1, f"mca compression must be >= 1 (kernel = stride = c; "
+                f"1 = no compression), got {self.compression}; the paper uses compression=3")
+        require(self.local_block >= 0, f"mca local_block must be >= 0 (0 = no block-local "
+                f"keys), got {self.local_block}; the paper's local layers use blocks of 256")
+        require(self.init in ("mean", "random"), f"mca init must be 'mean' or 'random', got "
+                f"{self.init!r}")
 
 
 def compress(x: torch.Tensor, keep: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
@@ -175,10 +171,10 @@ class MCA(nn.Module):
         check_qkv(q, k, v, self.dims)
         b, h, n, d = q.shape
         m, c, B = k.shape[2], self.cfg.compression, self.cfg.local_block
-        _check(v.shape[-1] == self.dims.head_dim, f"mca's value convolution was built for "
-               f"head dim {self.dims.head_dim} (HeadDims.head_dim) but v has {v.shape[-1]}")
-        _check(B == 0 or n == m, f"mca local_block needs as many queries as keys (the blocks "
-               f"are token positions), got n={n}, m={m}; use local_block=0")
+        require(v.shape[-1] == self.dims.head_dim, f"mca's value convolution was built for "
+                f"head dim {self.dims.head_dim} (HeadDims.head_dim) but v has {v.shape[-1]}")
+        require(B == 0 or n == m, f"mca local_block needs as many queries as keys (the blocks "
+                f"are token positions), got n={n}, m={m}; use local_block=0")
         keep = _keep(ctx, b, m, q.device)  # [b,m]
         kc, slot_ok = compress(k, keep, self.key_weight, self.key_bias)  # [b,h,S,d], [b,S]
         vc, _ = compress(v, keep, self.value_weight, self.value_bias)  # [b,h,S,dv]
@@ -273,8 +269,8 @@ class ISABConfig(MechanismConfig):
     num_inducing: int = 16  # m (paper): number of inducing points I
 
     def __post_init__(self) -> None:
-        _check(self.num_inducing >= 1, f"isab num_inducing must be >= 1 (the number of "
-               f"inducing points), got {self.num_inducing}; the paper uses 16 or 32")
+        require(self.num_inducing >= 1, f"isab num_inducing must be >= 1 (the number of "
+                f"inducing points), got {self.num_inducing}; the paper uses 16 or 32")
 
 
 @register_mechanism(ISABConfig)
@@ -316,8 +312,8 @@ class ISAB(nn.Module):
 
     def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
         check_qkv(q, k, v, self.dims)
-        _check(not ctx.causal, "isab cannot be causal (every inducing point summarises all "
-               "positions); use it in encoders only")
+        require(not ctx.causal, "isab cannot be causal (every inducing point summarises all "
+                "positions); use it in encoders only")
         keep = _keep(ctx, q.shape[0], k.shape[2], q.device)
         p = ctx.dropout if self.training else 0.0
         out, probs, a, _ = nested_attention(q, k, v, self.inducing[None], keep,
@@ -344,8 +340,8 @@ class LunaConfig(MechanismConfig):
     num_memory: int = 16  # l: length of the packed memory P (the paper's projected length)
 
     def __post_init__(self) -> None:
-        _check(self.num_memory >= 1, f"luna num_memory must be >= 1 (the length l of the "
-               f"packed memory), got {self.num_memory}; the paper uses 16, 128 or 256")
+        require(self.num_memory >= 1, f"luna num_memory must be >= 1 (the length l of the "
+                f"packed memory), got {self.num_memory}; the paper uses 16, 128 or 256")
 
 
 def previous_memory(state: dict[str, Any] | None, layer_idx: int,
@@ -443,10 +439,10 @@ class Luna(nn.Module):
     def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
         check_qkv(q, k, v, self.dims)
         b, h, _, d = q.shape
-        _check(not ctx.causal, "luna cannot be causal here (each memory slot packs all "
-               "positions); use it in encoders only")
-        _check(v.shape[-1] == d, f"luna passes its packed values up as the next layer's "
-               f"memory, so v's head dim must equal q's: got {v.shape[-1]} and {d}")
+        require(not ctx.causal, "luna cannot be causal here (each memory slot packs all "
+                "positions); use it in encoders only")
+        require(v.shape[-1] == d, f"luna passes its packed values up as the next layer's "
+                f"memory, so v's head dim must equal q's: got {v.shape[-1]} and {d}")
         prev = previous_memory(ctx.state, ctx.layer_idx, (b, h, self.cfg.num_memory, d))
         slots = self.memory[None] if prev is None else prev  # [1|b,h,l,d]
         keep = _keep(ctx, b, k.shape[2], q.device)

@@ -23,6 +23,7 @@ from ..core import (
     check_qkv,
     masked_softmax,
     register_mechanism,
+    require,
 )
 from ..core.slicing import over_head_groups
 from ._maskedsdpa import masked_sdpa
@@ -33,11 +34,6 @@ Pool = Literal["mean", "max", "conv"]
 POOLS = ("mean", "max", "conv")
 # Query block of the second level: queries of a block share one gather of W candidate slots.
 SLOT_BLOCK = 64
-
-
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ValueError(msg)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,19 +47,19 @@ class PoolingformerConfig(MechanismConfig):
     stacked: bool = True  # second level reads the first level's output (paper); else q, k, v
 
     def __post_init__(self) -> None:
-        _check(self.window >= 0, f"poolingformer window (w1, one-sided) must be >= 0, got "
-               f"{self.window}")
-        _check(self.window2 >= self.window, f"poolingformer window2 (w2={self.window2}) must "
-               f"be >= window (w1={self.window}): the second level is the wider one; set "
-               f"window2 >= {self.window}")
-        _check(self.pool in POOLS, f"unknown pool {self.pool!r}; choose one of "
-               f"{', '.join(POOLS)}")
-        _check(self.pool_size >= 1, f"poolingformer pool_size (kernel kappa) must be >= 1, "
-               f"got {self.pool_size}")
+        require(self.window >= 0, f"poolingformer window (w1, one-sided) must be >= 0, got "
+                f"{self.window}")
+        require(self.window2 >= self.window, f"poolingformer window2 (w2={self.window2}) must "
+                f"be >= window (w1={self.window}): the second level is the wider one; set "
+                f"window2 >= {self.window}")
+        require(self.pool in POOLS, f"unknown pool {self.pool!r}; choose one of "
+                f"{', '.join(POOLS)}")
+        require(self.pool_size >= 1, f"poolingformer pool_size (kernel kappa) must be >= 1, "
+                f"got {self.pool_size}")
         s = self.stride
-        _check(s is None or 1 <= s <= self.pool_size, f"poolingformer stride (xi) must be "
-               f"between 1 and pool_size={self.pool_size} (a larger stride skips tokens), "
-               f"got {s}; leave it None for non-overlapping slots")
+        require(s is None or 1 <= s <= self.pool_size, f"poolingformer stride (xi) must be "
+                f"between 1 and pool_size={self.pool_size} (a larger stride skips tokens), "
+                f"got {s}; leave it None for non-overlapping slots")
 
 
 def pool_slots(x: torch.Tensor, keep: torch.Tensor, kappa: int, xi: int, how: str,
@@ -226,10 +222,10 @@ class Poolingformer(nn.Module):
         check_qkv(q, k, v, self.dims)
         b, h, n, d = q.shape
         c = self.cfg
-        _check(k.shape[2] == n, f"poolingformer keys are the query tokens: needs n == m, "
-               f"got n={n}, m={k.shape[2]}")
-        _check(v.shape[-1] == d, f"poolingformer needs v's head dim == q's (the pooled "
-               f"values/outputs are the second level's keys), got {v.shape[-1]} and {d}")
+        require(k.shape[2] == n, f"poolingformer keys are the query tokens: needs n == m, "
+                f"got n={n}, m={k.shape[2]}")
+        require(v.shape[-1] == d, f"poolingformer needs v's head dim == q's (the pooled "
+                f"values/outputs are the second level's keys), got {v.shape[-1]} and {d}")
         keep = (torch.ones(b, n, dtype=torch.bool, device=q.device) if ctx.key_mask is None
                 else ctx.key_mask.to(device=q.device, dtype=torch.bool).expand(b, n))
         first = self.level1(q, k, v, ctx)

@@ -31,6 +31,7 @@ from ..core import (
     MechanismConfig,
     check_qkv,
     register_mechanism,
+    require,
 )
 from ._rowchunks import allowed_pairs, attend_rows, draws_dropout, in_row_chunks, rows_per_chunk
 from .dense import Softmax, SoftmaxConfig
@@ -43,17 +44,12 @@ PREDICTIVE_STATE_KEY = "predictive.scores"  # value: ResidualScores (masked pair
 LAZYFORMER_STATE_KEY = "lazyformer.map"  # value: LazyMap
 
 
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
-
-
 def _same_shape(name: str, layer_idx: int, what: str, want: torch.Size,
                 got: torch.Size, prev_layer: int) -> None:
-    _check(got == want,
-           f"{name} at layer {layer_idx} needs {what} of shape {list(want)} but layer "
-           f"{prev_layer} passed up {list(got)}; every {name} layer needs the same "
-           f"heads and lengths (put it on all heads of its layers, with equal head counts)")
+    require(got == want,
+            f"{name} at layer {layer_idx} needs {what} of shape {list(want)} but layer "
+            f"{prev_layer} passed up {list(got)}; every {name} layer needs the same "
+            f"heads and lengths (put it on all heads of its layers, with equal head counts)")
 
 
 # ------------------------------------------------------------------------------- predictive
@@ -66,12 +62,12 @@ class PredictiveConfig(MechanismConfig):
     kernel: int = 3  # k: size of the k x k convolution over the lower layer's scores
 
     def __post_init__(self) -> None:
-        _check(math.isfinite(self.alpha) and 0.0 <= self.alpha <= 1.0,
-               f"predictive alpha must be in [0, 1] (the weight of the dot-product scores), "
-               f"got {self.alpha}; alpha=1 is plain softmax, e.g. alpha=0.5")
-        _check(self.kernel >= 1 and self.kernel % 2 == 1,
-               f"predictive kernel must be an odd size >= 1 (a centred k x k convolution), "
-               f"got {self.kernel}; e.g. kernel=3")
+        require(math.isfinite(self.alpha) and 0.0 <= self.alpha <= 1.0,
+                f"predictive alpha must be in [0, 1] (the weight of the dot-product scores), "
+                f"got {self.alpha}; alpha=1 is plain softmax, e.g. alpha=0.5")
+        require(self.kernel >= 1 and self.kernel % 2 == 1,
+                f"predictive kernel must be an odd size >= 1 (a centred k x k convolution), "
+                f"got {self.kernel}; e.g. kernel=3")
 
 
 @register_mechanism(PredictiveConfig)
@@ -249,8 +245,8 @@ class LazyformerConfig(MechanismConfig):
     share_values: bool = False  # lazy layers also reuse the block's first-layer values V
 
     def __post_init__(self) -> None:
-        _check(self.share >= 1, f"lazyformer share must be >= 1 (layers per lazy block; 1 "
-               f"computes the map in every layer), got {self.share}; e.g. share=2")
+        require(self.share >= 1, f"lazyformer share must be >= 1 (layers per lazy block; 1 "
+                f"computes the map in every layer), got {self.share}; e.g. share=2")
 
 
 @register_mechanism(LazyformerConfig)

@@ -26,14 +26,10 @@ from ..core import (
     MechanismConfig,
     check_qkv,
     register_mechanism,
+    require,
 )
 from ..core.protocol import TASK_ID
 from ._rowchunks import allowed_pairs, attend_rows, draws_dropout, in_row_chunks
-
-
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
 
 
 def _init_linear_(weight: torch.Tensor, bias: torch.Tensor | None, fan_in: int) -> None:
@@ -50,9 +46,9 @@ def _dropout(p: torch.Tensor, ctx: AttnContext, training: bool) -> torch.Tensor:
 
 
 def _check_length(name: str, length: int, max_len: int, what: str) -> None:
-    _check(length <= max_len,
-           f"{name} got {length} {what} but its position tables cover max_len={max_len}; "
-           f"build it with HeadDims.max_len >= {length} or truncate inputs to {max_len} tokens")
+    require(length <= max_len,
+            f"{name} got {length} {what} but its position tables cover max_len={max_len}; "
+            f"build it with HeadDims.max_len >= {length} or truncate inputs to {max_len} tokens")
 
 
 # ---------------------------------------------------------------------------- camtl_prior
@@ -67,14 +63,14 @@ class CamtlPriorConfig(MechanismConfig):
     task: int | None = None  # fixed task id for batches that carry none (None: error)
 
     def __post_init__(self) -> None:
-        _check(self.tasks >= 1, f"camtl_prior tasks must be >= 1 (number of tasks), "
-               f"got {self.tasks}")
-        _check(self.blocks >= 1, f"camtl_prior blocks must be >= 1 (diagonal blocks N), "
-               f"got {self.blocks}")
-        _check(self.task_dim >= 1, f"camtl_prior task_dim must be >= 1, got {self.task_dim}")
-        _check(self.task is None or 0 <= self.task < self.tasks,
-               f"camtl_prior task must be a task id in 0..{self.tasks - 1} (or None), "
-               f"got {self.task}; raise tasks or pick an id below it")
+        require(self.tasks >= 1, f"camtl_prior tasks must be >= 1 (number of tasks), "
+                f"got {self.tasks}")
+        require(self.blocks >= 1, f"camtl_prior blocks must be >= 1 (diagonal blocks N), "
+                f"got {self.blocks}")
+        require(self.task_dim >= 1, f"camtl_prior task_dim must be >= 1, got {self.task_dim}")
+        require(self.task is None or 0 <= self.task < self.tasks,
+                f"camtl_prior task must be a task id in 0..{self.tasks - 1} (or None), "
+                f"got {self.task}; raise tasks or pick an id below it")
 
 
 @register_mechanism(CamtlPriorConfig)
@@ -123,12 +119,12 @@ class CamtlPrior(nn.Module):
 
     def __init__(self, cfg: CamtlPriorConfig, dims: HeadDims) -> None:
         super().__init__()
-        _check(dims.max_len is not None,
-               "camtl_prior needs HeadDims.max_len: its blocks cover the positions 0..L-1")
+        require(dims.max_len is not None,
+                "camtl_prior needs HeadDims.max_len: its blocks cover the positions 0..L-1")
         assert dims.max_len is not None
-        _check(cfg.blocks <= dims.max_len,
-               f"camtl_prior blocks={cfg.blocks} exceeds max_len={dims.max_len}; use "
-               f"blocks <= {dims.max_len}")
+        require(cfg.blocks <= dims.max_len,
+                f"camtl_prior blocks={cfg.blocks} exceeds max_len={dims.max_len}; use "
+                f"blocks <= {dims.max_len}")
         self.cfg, self.dims = cfg, dims
         self.block = -(-dims.max_len // cfg.blocks)  # s = ceil(L / N)
         s = self.block
@@ -149,22 +145,22 @@ class CamtlPrior(nn.Module):
     def task_ids(self, ctx: AttnContext, b: int, device: torch.device) -> torch.Tensor:
         """[b] long task ids from ``ctx.extras["task_id"]`` or the config's ``task``."""
         raw = ctx.extras.get(TASK_ID, self.cfg.task)
-        _check(raw is not None,
-               "camtl_prior needs a task id: call attnlab.hf.set_task_id(model, task_ids) "
-               "before the forward, pass AttnContext(extras={'task_id': ids}), or fix one "
-               "with camtl_prior(task=...)")
+        require(raw is not None,
+                "camtl_prior needs a task id: call attnlab.hf.set_task_id(model, task_ids) "
+                "before the forward, pass AttnContext(extras={'task_id': ids}), or fix one "
+                "with camtl_prior(task=...)")
         ids = torch.as_tensor(raw, device=device)
-        _check(not ids.is_floating_point() and ids.dtype != torch.bool,
-               f"camtl_prior task ids must be integers, got dtype {ids.dtype}")
+        require(not ids.is_floating_point() and ids.dtype != torch.bool,
+                f"camtl_prior task ids must be integers, got dtype {ids.dtype}")
         if ids.dim() == 0:
             ids = ids.expand(b)
-        _check(tuple(ids.shape) == (b,),
-               f"camtl_prior task ids must be one int or one per example ([{b}]), got shape "
-               f"{tuple(ids.shape)}")
+        require(tuple(ids.shape) == (b,),
+                f"camtl_prior task ids must be one int or one per example ([{b}]), got shape "
+                f"{tuple(ids.shape)}")
         lo, hi = int(ids.min()), int(ids.max())
-        _check(0 <= lo and hi < self.cfg.tasks,
-               f"camtl_prior task ids must lie in 0..{self.cfg.tasks - 1}, got {lo}..{hi}; "
-               f"build it with tasks > {hi}")
+        require(0 <= lo and hi < self.cfg.tasks,
+                f"camtl_prior task ids must lie in 0..{self.cfg.tasks - 1}, got {lo}..{hi}; "
+                f"build it with tasks > {hi}")
         return ids.long()
 
     def prior(self, task_ids: torch.Tensor, n: int, m: int, first_row: int = 0
@@ -187,8 +183,8 @@ class CamtlPrior(nn.Module):
         check_qkv(q, k, v, self.dims)
         b, _, n, _ = q.shape
         m = k.shape[-2]
-        _check(n == m, f"camtl_prior indexes one sequence's positions (keys_are_tokens): "
-               f"got {n} queries and {m} keys; use it for self-attention")
+        require(n == m, f"camtl_prior indexes one sequence's positions (keys_are_tokens): "
+                f"got {n} queries and {m} keys; use it for self-attention")
         assert self.dims.max_len is not None
         _check_length("camtl_prior", m, self.dims.max_len, "positions")
         ids = self.task_ids(ctx, b, q.device)
@@ -223,9 +219,9 @@ class AverageConfig(MechanismConfig):
     hidden: int | None = None  # d_ff: FFN inner width per head (None = 4 d, as 2048 / 512)
 
     def __post_init__(self) -> None:
-        _check(self.hidden is None or self.hidden >= 1,
-               f"average hidden must be >= 1 (FFN inner width) or None (4 * head_dim), "
-               f"got {self.hidden}")
+        require(self.hidden is None or self.hidden >= 1,
+                f"average hidden must be >= 1 (FFN inner width) or None (4 * head_dim), "
+                f"got {self.hidden}")
 
 
 @register_mechanism(AverageConfig)
@@ -309,11 +305,11 @@ class Average(nn.Module):
         check_qkv(q, k, v, self.dims)
         b, h, n, _ = q.shape
         d = self.dims.head_dim
-        _check(k.shape[-2] == n, f"average gates each position's own value with its average "
-               f"(keys_are_tokens): got {n} queries and {k.shape[-2]} keys; use it for "
-               f"self-attention")
-        _check(v.shape[-1] == d, f"average's FFN and gate are sized by head_dim={d}, but v "
-               f"has head dim {v.shape[-1]}")
+        require(k.shape[-2] == n, f"average gates each position's own value with its average "
+                f"(keys_are_tokens): got {n} queries and {k.shape[-2]} keys; use it for "
+                f"self-attention")
+        require(v.shape[-1] == d, f"average's FFN and gate are sized by head_dim={d}, but v "
+                f"has head dim {v.shape[-1]}")
         weights = None
         if ctx.need_weights or (self.training and ctx.dropout > 0):
             weights = self.averaging_weights(ctx, b, n, q.device)  # [b,1,n,n]
@@ -357,16 +353,16 @@ class SynthesizerConfig(MechanismConfig):
     learn_mix: bool = False  # learn alpha per head (the paper's mixture weights), init mix
 
     def __post_init__(self) -> None:
-        _check(0.0 <= self.mix <= 1.0,
-               f"synthesizer mix must lie in [0, 1] (0 = pure dot-product softmax, 1 = pure "
-               f"synthesizer), got {self.mix}")
-        _check(self.a >= 1, f"synthesizer a must be >= 1 (F_A's width), got {self.a}")
-        _check(self.rank >= 1, f"synthesizer rank must be >= 1 (k of R1 R2^T), got {self.rank}")
-        _check(self.hidden is None or self.hidden >= 1,
-               f"synthesizer hidden must be >= 1 or None (= head_dim), got {self.hidden}")
-        _check(self.trainable or self.kind == "random",
-               "synthesizer trainable=False (a fixed table) applies to kind='random' only; "
-               "drop it or use kind='random'")
+        require(0.0 <= self.mix <= 1.0,
+                f"synthesizer mix must lie in [0, 1] (0 = pure dot-product softmax, 1 = pure "
+                f"synthesizer), got {self.mix}")
+        require(self.a >= 1, f"synthesizer a must be >= 1 (F_A's width), got {self.a}")
+        require(self.rank >= 1, f"synthesizer rank must be >= 1 (k of R1 R2^T), got {self.rank}")
+        require(self.hidden is None or self.hidden >= 1,
+                f"synthesizer hidden must be >= 1 or None (= head_dim), got {self.hidden}")
+        require(self.trainable or self.kind == "random",
+                "synthesizer trainable=False (a fixed table) applies to kind='random' only; "
+                "drop it or use kind='random'")
 
 
 @register_mechanism(SynthesizerConfig)
@@ -413,8 +409,8 @@ class Synthesizer(nn.Module):
 
     def __init__(self, cfg: SynthesizerConfig, dims: HeadDims) -> None:
         super().__init__()
-        _check(dims.max_len is not None,
-               "synthesizer needs HeadDims.max_len: its scores have one column per position")
+        require(dims.max_len is not None,
+                "synthesizer needs HeadDims.max_len: its scores have one column per position")
         assert dims.max_len is not None
         L, h, d = dims.max_len, dims.num_heads, dims.head_dim
         self.cfg, self.dims = cfg, dims
@@ -424,9 +420,9 @@ class Synthesizer(nn.Module):
             self.b1 = nn.Parameter(torch.empty(h, f))  # b1 [h,f]
             widths = (cfg.a, L // cfg.a) if cfg.factorized else (L,)
             if cfg.factorized:
-                _check(L % cfg.a == 0,
-                       f"synthesizer(factorized=True) needs a to divide max_len={L} "
-                       f"(a*b = L); use a in {[x for x in range(1, L + 1) if L % x == 0]}")
+                require(L % cfg.a == 0,
+                        f"synthesizer(factorized=True) needs a to divide max_len={L} "
+                        f"(a*b = L); use a in {[x for x in range(1, L + 1) if L % x == 0]}")
             # dense: one head W2 [h,f,L]; factorized: W_A [h,f,a], W_B [h,f,b]
             self.heads_w = nn.ParameterList(nn.Parameter(torch.empty(h, f, w)) for w in widths)
             self.heads_b = nn.ParameterList(nn.Parameter(torch.empty(h, w)) for w in widths)
@@ -487,8 +483,8 @@ class Synthesizer(nn.Module):
         assert self.dims.max_len is not None
         _check_length("synthesizer", m, self.dims.max_len, "keys")
         if self.cfg.kind == "random":
-            _check(n == m, f"synthesizer(kind='random') indexes one sequence's positions: "
-                   f"got {n} queries and {m} keys; use it for self-attention")
+            require(n == m, f"synthesizer(kind='random') indexes one sequence's positions: "
+                    f"got {n} queries and {m} keys; use it for self-attention")
         if ctx.need_weights:
             out, probs = self._rows(q, k, v, ctx, 0, n)
             return AttnOutput(out, probs)

@@ -31,6 +31,7 @@ from ..core import (
     MechanismConfig,
     check_qkv,
     register_mechanism,
+    require,
 )
 from ._gaussian_window import FAST_DTYPES, gaussian_window, window_lags
 from ._maskedsdpa import masked_sdpa
@@ -41,11 +42,6 @@ FAMILY = "priors"
 # Smallest sigma_i used by gaussian_prior: D_i = I * sigmoid(.) can underflow to 0, and
 # G = -(j - P_i)^2 / (2 sigma_i^2) must stay finite (at 1e-4 and n = 4096, |G| <= 1e15).
 MIN_SIGMA = 1e-4
-
-
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
 
 
 def _distance(n: int, m: int, device: torch.device, first_row: int = 0,
@@ -176,12 +172,12 @@ class GaussianTransformerConfig(MechanismConfig):
     b_init: float = -1.0  # b: initial offset (kept < 0)
 
     def __post_init__(self) -> None:
-        _check(math.isfinite(self.w_init) and self.w_init > 0,
-               f"gaussian_transformer w_init must be > 0 (w is kept positive by "
-               f"w = softplus(w_raw)), got {self.w_init}; e.g. w_init=1.0")
-        _check(math.isfinite(self.b_init) and self.b_init < 0,
-               f"gaussian_transformer b_init must be < 0 (b is kept negative by "
-               f"b = -softplus(b_raw)), got {self.b_init}; e.g. b_init=-1.0")
+        require(math.isfinite(self.w_init) and self.w_init > 0,
+                f"gaussian_transformer w_init must be > 0 (w is kept positive by "
+                f"w = softplus(w_raw)), got {self.w_init}; e.g. w_init=1.0")
+        require(math.isfinite(self.b_init) and self.b_init < 0,
+                f"gaussian_transformer b_init must be < 0 (b is kept negative by "
+                f"b = -softplus(b_raw)), got {self.b_init}; e.g. b_init=-1.0")
 
 
 @register_mechanism(GaussianTransformerConfig)
@@ -261,11 +257,11 @@ class HardcodedGaussianConfig(MechanismConfig):
     sigma: float = 1.0  # sigma: standard deviation in positions
 
     def __post_init__(self) -> None:
-        _check(len(self.offsets) >= 1, "hardcoded_gaussian offsets must name at least one "
-               "offset, e.g. offsets=[-1, 1] (the paper's encoder heads)")
-        _check(math.isfinite(self.sigma) and self.sigma > 0,
-               f"hardcoded_gaussian sigma must be > 0 (a standard deviation in positions), "
-               f"got {self.sigma}; the paper uses sigma=1")
+        require(len(self.offsets) >= 1, "hardcoded_gaussian offsets must name at least one "
+                "offset, e.g. offsets=[-1, 1] (the paper's encoder heads)")
+        require(math.isfinite(self.sigma) and self.sigma > 0,
+                f"hardcoded_gaussian sigma must be > 0 (a standard deviation in positions), "
+                f"got {self.sigma}; the paper uses sigma=1")
 
 
 @register_mechanism(HardcodedGaussianConfig)

@@ -38,6 +38,7 @@ from ..core import (
     pattern_bias,
     reference_attention,
     register_mechanism,
+    require,
 )
 from ..core.masks import (
     band_pattern,
@@ -132,11 +133,6 @@ def _key_list_path(keys: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
     return fast
 
 
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ValueError(msg)
-
-
 # ----------------------------------------------------------------------------- mechanisms
 
 
@@ -146,7 +142,7 @@ class BandConfig(MechanismConfig):
     window: int = 64  # w: one-sided window, |i - j| <= w
 
     def __post_init__(self) -> None:
-        _check(self.window >= 0, f"band window must be >= 0, got {self.window}")
+        require(self.window >= 0, f"band window must be >= 0, got {self.window}")
 
 
 @register_mechanism(BandConfig)
@@ -189,8 +185,8 @@ class DilatedConfig(MechanismConfig):
     dilation: int = 2  # r: gap between attended keys, (i - j) % r == 0
 
     def __post_init__(self) -> None:
-        _check(self.window >= 0, f"dilated window must be >= 0, got {self.window}")
-        _check(self.dilation >= 1, f"dilation must be >= 1, got {self.dilation}")
+        require(self.window >= 0, f"dilated window must be >= 0, got {self.window}")
+        require(self.dilation >= 1, f"dilation must be >= 1, got {self.dilation}")
 
 
 @register_mechanism(DilatedConfig)
@@ -232,7 +228,7 @@ class BlockLocalConfig(MechanismConfig):
     block: int = 64  # b: block length; i attends j iff i // b == j // b
 
     def __post_init__(self) -> None:
-        _check(self.block >= 1, f"block_local block must be >= 1, got {self.block}")
+        require(self.block >= 1, f"block_local block must be >= 1, got {self.block}")
 
 
 @register_mechanism(BlockLocalConfig)
@@ -281,7 +277,7 @@ class GlobalTokensConfig(MechanismConfig):
     tokens: tuple[int, ...] = (0,)  # G: global positions (attend and are attended by all)
 
     def __post_init__(self) -> None:
-        _check(all(t >= 0 for t in self.tokens), f"global tokens must be >= 0: {self.tokens}")
+        require(all(t >= 0 for t in self.tokens), f"global tokens must be >= 0: {self.tokens}")
 
 
 @register_mechanism(GlobalTokensConfig)
@@ -324,7 +320,7 @@ class RandomConfig(MechanismConfig):
     seed: int = 0  # seed of the pattern, combined with the layer index and n
 
     def __post_init__(self) -> None:
-        _check(self.num_random >= 0, f"num_random must be >= 0, got {self.num_random}")
+        require(self.num_random >= 0, f"num_random must be >= 0, got {self.num_random}")
 
 
 @register_mechanism(RandomConfig)
@@ -366,9 +362,9 @@ class LongformerConfig(MechanismConfig):
     global_tokens: tuple[int, ...] = (0,)  # G: global positions (e.g. [CLS] = 0)
 
     def __post_init__(self) -> None:
-        _check(self.window >= 0, f"longformer window must be >= 0, got {self.window}")
-        _check(all(t >= 0 for t in self.global_tokens),
-               f"global tokens must be >= 0: {self.global_tokens}")
+        require(self.window >= 0, f"longformer window must be >= 0, got {self.window}")
+        require(all(t >= 0 for t in self.global_tokens),
+                f"global tokens must be >= 0: {self.global_tokens}")
 
 
 @register_mechanism(LongformerConfig)
@@ -411,7 +407,7 @@ class StarConfig(MechanismConfig):
     relay: int = 0  # position of the relay node (a position of the sequence, e.g. [CLS])
 
     def __post_init__(self) -> None:
-        _check(self.relay >= 0, f"star relay must be >= 0, got {self.relay}")
+        require(self.relay >= 0, f"star relay must be >= 0, got {self.relay}")
 
 
 @register_mechanism(StarConfig)
@@ -458,10 +454,10 @@ class BigBirdConfig(MechanismConfig):
     seed: int = 0  # seed of the random blocks, combined with the layer index and n
 
     def __post_init__(self) -> None:
-        _check(self.block >= 1, f"bigbird block must be >= 1, got {self.block}")
-        _check(self.window_blocks >= 1, f"window_blocks must be >= 1, got {self.window_blocks}")
-        _check(self.num_random_blocks >= 0 and self.global_blocks >= 0,
-               "num_random_blocks and global_blocks must be >= 0")
+        require(self.block >= 1, f"bigbird block must be >= 1, got {self.block}")
+        require(self.window_blocks >= 1, f"window_blocks must be >= 1, got {self.window_blocks}")
+        require(self.num_random_blocks >= 0 and self.global_blocks >= 0,
+                "num_random_blocks and global_blocks must be >= 0")
 
 
 @register_mechanism(BigBirdConfig)
@@ -535,9 +531,9 @@ class SparseTransformerConfig(MechanismConfig):
     summary: int = 1  # c: summary cells per block in the fixed mode
 
     def __post_init__(self) -> None:
-        _check(self.stride >= 1, f"stride must be >= 1, got {self.stride}")
-        _check(1 <= self.summary <= self.stride,
-               f"summary must be in 1..stride ({self.stride}), got {self.summary}")
+        require(self.stride >= 1, f"stride must be >= 1, got {self.stride}")
+        require(1 <= self.summary <= self.stride,
+                f"summary must be in 1..stride ({self.stride}), got {self.summary}")
 
 
 @register_mechanism(SparseTransformerConfig)

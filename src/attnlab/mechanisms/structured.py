@@ -36,6 +36,7 @@ from ..core import (
     pattern_bias,
     reference_attention,
     register_mechanism,
+    require,
 )
 from ..core.masks import positions
 from ..core.slicing import over_head_groups
@@ -44,11 +45,6 @@ from ._gathered import gathered_attention
 # family "sparse": the survey files both under extended sparse attention (§3.1.1); this file
 # only splits them off sparse.py for length
 FAMILY = "sparse"
-
-
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ValueError(msg)
 
 
 def _dropout(probs: torch.Tensor, p: float) -> torch.Tensor:
@@ -105,10 +101,10 @@ class AxialConfig(MechanismConfig):
     strict: bool = False  # raise when n % c != 0 instead of padding the last row virtually
 
     def __post_init__(self) -> None:
-        _check(self.cols >= 1, f"axial cols must be >= 1 (the grid width c), got {self.cols}; "
-               "use e.g. cols=16, or the image width for row-major pixels")
-        _check(self.mode in ("two_pass", "union"),
-               f"axial mode must be 'two_pass' or 'union', got {self.mode!r}")
+        require(self.cols >= 1, f"axial cols must be >= 1 (the grid width c), got {self.cols}; "
+                "use e.g. cols=16, or the image width for row-major pixels")
+        require(self.mode in ("two_pass", "union"),
+                f"axial mode must be 'two_pass' or 'union', got {self.mode!r}")
 
 
 @register_mechanism(AxialConfig)
@@ -164,7 +160,7 @@ class Axial(nn.Module):
         scale = ctx.scale_for(q.shape[-1])
         p = ctx.dropout if self.training else 0.0
         if c.mode == "two_pass":
-            _check(n == m, f"axial two_pass needs as many keys as queries, got n={n}, m={m}")
+            require(n == m, f"axial two_pass needs as many keys as queries, got n={n}, m={m}")
             if ctx.need_weights:
                 out, probs = axial_two_pass_reference(q, k, v, c.cols, ctx.key_mask,
                                                       ctx.causal, scale)
@@ -372,10 +368,10 @@ class BPTreeConfig(MechanismConfig):
     k: int = 2  # k: span nodes per side at each tree level (+1 to align to the next level)
 
     def __post_init__(self) -> None:
-        _check(self.window >= 0, f"bp_tree window must be >= 0 (w = 0: only the token itself "
-               f"among tokens), got {self.window}")
-        _check(self.k >= 1, f"bp_tree k must be >= 1 span node per side per level, got "
-               f"{self.k}; use e.g. k=1 (the paper uses k in 1..4)")
+        require(self.window >= 0, f"bp_tree window must be >= 0 (w = 0: only the token itself "
+                f"among tokens), got {self.window}")
+        require(self.k >= 1, f"bp_tree k must be >= 1 span node per side per level, got "
+                f"{self.k}; use e.g. k=1 (the paper uses k in 1..4)")
 
 
 @register_mechanism(BPTreeConfig)
@@ -412,8 +408,8 @@ class BPTree(nn.Module):
     def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
         check_qkv(q, k, v, self.dims)
         b, _, n, _ = q.shape
-        _check(k.shape[2] == n, f"bp_tree keys are the query tokens: needs n == m, got n={n}, "
-               f"m={k.shape[2]}")
+        require(k.shape[2] == n, f"bp_tree keys are the query tokens: needs n == m, got n={n}, "
+                f"m={k.shape[2]}")
         c, scale = self.cfg, ctx.scale_for(q.shape[-1])
         p = ctx.dropout if self.training else 0.0
         if ctx.need_weights:
