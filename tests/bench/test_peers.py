@@ -62,7 +62,7 @@ def test_ours_for_names_the_same_key_sets():
     assert ours_for("hf_longformer(window=64)") == "band(window=64)"
     assert ours_for("hf_longformer") == "band(window=64)"  # the peer's default window
     assert ours_for("hf_bigbird(block=16, random_blocks=1)") == (
-        "bigbird(block=16, num_random_blocks=1)")
+        "bigbird(block=16, num_random_blocks=1, last_global=True)")
     assert ours_for("hf_nystromformer") == "nystrom(num_landmarks=64, conv_kernel=0)"
     assert ours_for("hf_reformer_lsh") == "lsh(buckets=64, chunk=64, num_hashes=1)"
     assert ours_for("band") is None

@@ -79,17 +79,21 @@ def test_bias_equals_rule(spec, rule, n, m):
 
 
 @pytest.mark.parametrize(
-    "block,wb,r,g", [(4, 3, 1, 1), (3, 3, 2, 1), (4, 5, 1, 2), (2, 2, 3, 0), (5, 1, 0, 1)]
+    "block,wb,r,g,last", [(4, 3, 1, 1, False), (3, 3, 2, 1, False), (4, 5, 1, 2, False),
+                          (2, 2, 3, 0, False), (5, 1, 0, 1, False), (2, 3, 1, 1, True),
+                          (4, 3, 2, 0, True)]
 )
 @pytest.mark.parametrize("n", [13, 22])
-def test_bigbird_bias_equals_rule(block, wb, r, g, n):
+def test_bigbird_bias_equals_rule(block, wb, r, g, last, n):
     mech = build(f"bigbird(block={block}, window_blocks={wb}, num_random_blocks={r}, "
-                 f"global_blocks={g}, seed=3)")
+                 f"global_blocks={g}, seed=3, last_global={last})")
     rnd = mech.random_blocks(n, n, layer_idx=1)  # [nqb, r]
+    end = -(-n // block) - 1 if last else -1  # the last block, when it is global
 
     def rule(i, j):
         qb, kb = i // block, j // block
-        return abs(qb - kb) <= wb // 2 or kb < g or qb < g or kb in rnd[qb].tolist()
+        return (abs(qb - kb) <= wb // 2 or kb < g or qb < g or kb == end or qb == end
+                or kb in rnd[qb].tolist())
 
     torch.testing.assert_close(mech.bias(n, n, layer_idx=1), brute(n, n, rule), atol=0, rtol=0)
 
@@ -108,6 +112,25 @@ def test_bigbird_random_blocks_are_distinct_and_outside_window_and_global():
     # seeded by (seed, layer_idx, n)
     assert torch.equal(rnd, mech.random_blocks(n, n, layer_idx=0))
     assert not torch.equal(rnd, mech.random_blocks(n, n, layer_idx=1))
+    # the official ITC layout (first and last block global): no random block is the last
+    itc = build("bigbird(block=2, window_blocks=3, num_random_blocks=3, last_global=True)")
+    picks = itc.random_blocks(n, n, layer_idx=0)
+    assert (picks != nqb - 1).all() and (picks[:, 0] >= 0).all()
+
+
+def test_bigbird_itc_layout_is_the_first_and_last_block():
+    """global_blocks=1, last_global=True: the first and the last block are global rows and
+    columns (google-research/bigbird's ITC; transformers' BigBirdBlockSparseAttention);
+    the spec leaves last_global out when False."""
+    mech = build("bigbird(block=2, window_blocks=3, num_random_blocks=0, last_global=True)")
+    allowed = mech.bias(16, 16)[0] == 0  # [n,m]
+    assert allowed[6, 14] and allowed[14, 6] and allowed[15].all() and allowed[:, 15].all()
+    assert not allowed[6, 12]  # outside the window, neither global nor random
+    plain = build("bigbird(block=2, window_blocks=3, num_random_blocks=0)").bias(16, 16)[0]
+    assert not (plain == 0)[6, 14]
+    spell = attnlab.core.config_spec
+    assert "last_global" not in spell(build("bigbird").cfg)
+    assert "last_global=True" in spell(mech.cfg)
 
 
 def test_random_pattern_rule_and_seeding():
@@ -163,6 +186,8 @@ FAST = [
     "star(relay=4)",
     "bigbird(block=8, window_blocks=3, num_random_blocks=2, global_blocks=1)",
     "bigbird(block=16, window_blocks=5, num_random_blocks=1, global_blocks=2)",
+    "bigbird(block=16, window_blocks=3, num_random_blocks=2, last_global=True)",
+    "bigbird(block=8, window_blocks=3, num_random_blocks=1, global_blocks=0, last_global=True)",
     "sparse_transformer(mode='fixed', stride=8, summary=2)",  # own block + shared summaries
     "sparse_transformer(mode='fixed', stride=64, summary=1)",
     "sparse_transformer(mode='fixed', stride=100, summary=30)",  # a block over query blocks

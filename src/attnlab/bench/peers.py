@@ -228,7 +228,9 @@ def ours_for(method: str) -> str | None:
             return f"band(window={p['window']})"
         return f"longformer(window={p['window']}, global_tokens={tuple(range(g))})"
     if name == "hf_bigbird":
-        return f"bigbird(block={p['block']}, num_random_blocks={p['random_blocks']})"
+        # transformers' ITC layout: the first and the last block global
+        return (f"bigbird(block={p['block']}, num_random_blocks={p['random_blocks']}, "
+                "last_global=True)")
     if name == "hf_nystromformer":
         return f"nystrom(num_landmarks={p['num_landmarks']}, conv_kernel={p['conv_kernel']})"
     return f"lsh(buckets={p['buckets']}, chunk={p['chunk']}, num_hashes={p['num_hashes']})"

@@ -142,17 +142,20 @@ def fixed_pattern(n: int, m: int, stride: int, summary: int) -> torch.Tensor:
 
 def bigbird_random_blocks(
     nqb: int, nkb: int, window_blocks: int, num_random_blocks: int, global_blocks: int,
-    seed: int, layer_idx: int, n: int,
+    seed: int, layer_idx: int, n: int, last_global: bool = False,
 ) -> torch.Tensor:
     """[nqb, r] key-block indices (-1 = none left): r distinct random blocks per query block.
 
     Drawn among the blocks outside the query block's window and outside the global
-    blocks, so no key counts twice; seeded by (seed, layer_idx, n).
+    blocks (the first ``global_blocks``, and the last one if ``last_global``), so no key
+    counts twice; seeded by (seed, layer_idx, n).
     """
     r = min(num_random_blocks, nkb)
     qb = torch.arange(nqb)[:, None]
     kb = torch.arange(nkb)[None, :]
     free = ((qb - kb).abs() > window_blocks // 2) & (kb >= global_blocks)  # [nqb,nkb]
+    if last_global:
+        free &= kb != nkb - 1
     score = torch.rand(nqb, nkb, generator=seeded_generator(seed, layer_idx, n))
     score = score.masked_fill(~free, -1.0)
     top = score.topk(r, dim=-1)
@@ -160,12 +163,16 @@ def bigbird_random_blocks(
 
 
 def bigbird_layout(
-    nqb: int, nkb: int, window_blocks: int, global_blocks: int, random_blocks: torch.Tensor
+    nqb: int, nkb: int, window_blocks: int, global_blocks: int, random_blocks: torch.Tensor,
+    last_global: bool = False,
 ) -> torch.Tensor:
-    """[nqb, nkb] bool block layout: window, global rows and columns, random blocks."""
+    """[nqb, nkb] bool block layout: window, global rows and columns (the first
+    ``global_blocks``, and the last block if ``last_global``), random blocks."""
     qb = torch.arange(nqb)[:, None]
     kb = torch.arange(nkb)[None, :]
     layout = ((qb - kb).abs() <= window_blocks // 2) | (kb < global_blocks) | (qb < global_blocks)
+    if last_global:
+        layout |= (kb == nkb - 1) | (qb == nqb - 1)
     rnd = torch.zeros(nqb, nkb + 1, dtype=torch.bool)
     rnd.scatter_(1, random_blocks.masked_fill(random_blocks < 0, nkb), True)
     return layout | rnd[:, :nkb]

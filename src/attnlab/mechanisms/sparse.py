@@ -22,13 +22,14 @@ masks).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Literal, Protocol
 
 import torch
 from torch import nn
 
 from ..core import (
+    OMIT_DEFAULT,
     AttnContext,
     AttnOutput,
     Capabilities,
@@ -452,6 +453,9 @@ class BigBirdConfig(MechanismConfig):
     num_random_blocks: int = 3  # r: random key blocks per query block
     global_blocks: int = 1  # g: leading global blocks (rows and columns)
     seed: int = 0  # seed of the random blocks, combined with the layer index and n
+    # the last block global too (rows and columns): with global_blocks=1, the official ITC
+    # layout's two global blocks, the first and the last; left out of the spec when False
+    last_global: bool = field(default=False, metadata=OMIT_DEFAULT)
 
     def __post_init__(self) -> None:
         require(self.block >= 1, f"bigbird block must be >= 1, got {self.block}")
@@ -465,10 +469,18 @@ class BigBird(nn.Module):
     """BigBird (ITC) block-sparse attention: window, global and random blocks.
 
     Paper: Zaheer et al., "Big Bird: Transformers for Longer Sequences", NeurIPS 2020.
-    Formula: query block qb attends key blocks |qb - kb| <= w // 2, the first g blocks and
-    r random blocks (drawn outside those, seeded by (seed, layer_idx, n)); the first g
-    query blocks attend everything. Complexity O(n*(w+g+r)*b*d). Deviation: the random
-    blocks are the same for every head and batch element of a layer.
+    Formula: query block qb attends key blocks |qb - kb| <= w // 2, the global blocks (the
+    first g, and the last one with ``last_global``) and r random blocks (drawn outside
+    those, seeded by (seed, layer_idx, n)); the global query blocks attend everything.
+    Complexity O(n*(w+g+r)*b*d).
+    Global blocks: the official ITC code (google-research/bigbird ``bigbird_block_sparse_
+    attention``; transformers' ``BigBirdBlockSparseAttention``) makes the first and the last
+    block global: ``global_blocks=1, last_global=True``. The default (``last_global``
+    False) makes the first g blocks global, so ``bigbird`` alone has one global block, the
+    first. Deviations: the random blocks are the same for every head and batch element of a
+    layer, and drawn once per (seed, layer, n), the same in training and evaluation (as the
+    google-research code, which seeds them by the layer); an even ``window_blocks`` covers
+    w + 1 blocks (|qb - kb| <= w // 2).
     """
 
     example: ClassVar[str] = (
@@ -487,13 +499,13 @@ class BigBird(nn.Module):
         c = self.cfg
         nqb, nkb = -(-n // c.block), -(-m // c.block)
         return bigbird_random_blocks(nqb, nkb, c.window_blocks, c.num_random_blocks,
-                                     c.global_blocks, c.seed, layer_idx, n)
+                                     c.global_blocks, c.seed, layer_idx, n, c.last_global)
 
     def bias(self, n: int, m: int, layer_idx: int = 0) -> torch.Tensor:
         c = self.cfg
         nqb, nkb = -(-n // c.block), -(-m // c.block)
         layout = bigbird_layout(nqb, nkb, c.window_blocks, c.global_blocks,
-                                self.random_blocks(n, m, layer_idx))
+                                self.random_blocks(n, m, layer_idx), c.last_global)
         return pattern_bias(block_layout_to_pattern(layout, c.block, n, m))[None]
 
     def _fast(self, q, k, v, ctx: AttnContext, scale: float, p: float) -> torch.Tensor:
@@ -503,22 +515,28 @@ class BigBird(nn.Module):
         offs = torch.arange(blk)
         rnd = self.random_blocks(n, n, ctx.layer_idx)  # [nqb,r]
         rpos = (rnd[:, :, None] * blk + offs).masked_fill(rnd[:, :, None] < 0, -1)
-        gpos = torch.arange(min(g * blk, n)).expand(nqb, -1)  # global key columns
-        extra = torch.cat([gpos, rpos.reshape(nqb, -1)], dim=1).to(q.device)  # [nqb,R]
+        last = nqb - 1 if c.last_global and nqb - 1 >= g else None  # not already global
+        glob = torch.arange(min(g * blk, n))  # global positions: rows and key columns
+        if last is not None:
+            glob = torch.cat([glob, torch.arange(last * blk, n)])
+        extra = torch.cat([glob.expand(nqb, -1), rpos.reshape(nqb, -1)], dim=1).to(q.device)
 
         def pattern(i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
-            return j // blk >= g  # the window minus the global columns (they are extras)
+            # the window minus the global columns (they are extras)
+            keep = j // blk >= g
+            return keep if last is None else keep & (j // blk != last)
 
         return bs.blocked_attention(
             q, k, v, block=blk, left=half * blk, width=(2 * half + 1) * blk, pattern=pattern,
             extra=extra, key_mask=ctx.key_mask, causal=ctx.causal, scale=scale, dropout=p,
-            rows=torch.arange(min(g * blk, n), device=q.device) if g > 0 else None,
+            rows=glob.to(q.device) if glob.numel() else None,
             pattern_key=("bigbird", c, ctx.layer_idx),  # the random blocks are per layer
         )
 
     def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
         c = self.cfg
-        keys = (c.window_blocks // 2 * 2 + 1 + c.global_blocks + c.num_random_blocks) * c.block
+        globals_ = c.global_blocks + c.last_global
+        keys = (c.window_blocks // 2 * 2 + 1 + globals_ + c.num_random_blocks) * c.block
         # when every query sees about all keys anyway, the dense path is faster
         return _run(self, q, k, v, ctx, self._fast if 2 * keys <= q.shape[2] else None)
 
