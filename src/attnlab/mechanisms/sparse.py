@@ -333,7 +333,10 @@ class Random(nn.Module):
     R_i r distinct keys drawn per query by a generator seeded by (seed, layer_idx, n): the
     same pattern in train and eval and across calls. Complexity: O(n*r) time and memory
     (the r + 1 keys of each query on the gathered engine, from ``DENSE_FALLBACK_MAX_LEN``
-    keys on; the dense masked reference below it).
+    keys on; the dense masked reference below it). R_i is drawn among all m keys, so a
+    draw that hits i leaves r keys in all, and with ``ctx.causal`` the draws after i are
+    dropped: query i keeps about r * i / m of them (a prefix of the sequence sees fewer
+    random keys). The draw depends on n: a prefix of a longer sequence gets other keys.
     """
 
     example: ClassVar[str] = "random(num_random=3, seed=1)"
@@ -374,8 +377,10 @@ class Longformer(nn.Module):
 
     Paper: Beltagy, Peters, Cohan, "Longformer: The Long-Document Transformer", arXiv 2020.
     Formula: softmax over j with |i - j| <= w or i in G or j in G. Complexity
-    O(n*(w+|G|)*d). Deviation: one set of projections for local and global attention (the
-    paper uses separate global Q/K/V projections); no dilation.
+    O(n*(w+|G|)*d). ``window`` is one-sided, w keys on each side: the paper's window size
+    and transformers' ``attention_window`` count both sides (``attention_window=512`` is
+    ``window=256`` here). Deviation: one set of projections for local and global attention
+    (the paper uses separate global Q/K/V projections); no dilation.
     """
 
     example: ClassVar[str] = "longformer(window=2, global_tokens=[0, 3])"
