@@ -3,7 +3,8 @@
 The one home of the CLI's error handling, shared by every ``cli*`` module: the ``--debug``
 switch (``attnlab --debug CMD`` shows the traceback instead), ``fail`` (the one-line
 printer), ``user_errors`` (turns the exceptions that mean bad input into ``fail``) and
-``positive_ints`` / ``at_least`` (lengths and counts, checked before any work).
+``positive_ints`` / ``at_least`` (lengths and counts) and ``folder_option`` /
+``file_option`` (output paths), all checked before any work.
 Anything else is a bug and keeps its traceback.
 
 The message is printed as text, not rich markup, so shapes such as ``[b, h, n]`` in a
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import NoReturn
 
 import typer
@@ -21,7 +23,7 @@ from rich.console import Console
 from rich.text import Text
 
 _STATE = {"debug": False}  # --debug: tracebacks instead of one-line errors
-_console = Console()
+_console = Console(stderr=True)  # errors go to stderr: `attnlab ... > file` keeps them on screen
 
 
 def set_debug(on: bool) -> None:
@@ -53,6 +55,35 @@ def at_least(option: str, value: int, low: int = 1) -> None:
     """``fail`` unless a count option (``--repeats``, ``--batch``) is at least ``low``."""
     if value < low:
         fail(f"{option} {value}: give {low} or more")
+
+
+def _file_in_the_way(path: Path) -> Path | None:
+    """The nearest existing path among ``path`` and the folders above it, if it is a file."""
+    for p in (path, *path.parents):
+        if p.exists():
+            return None if p.is_dir() else p
+    return None
+
+
+def folder_option(option: str, path: Path) -> Path:
+    """An output folder option (``--out``): ``fail`` before any work when the path, or a
+    folder above it, is an existing file; returns ``path``."""
+    blocker = _file_in_the_way(Path(path))
+    if blocker is not None:
+        fail(f"{option} {path}: {blocker} is a file, not a folder; give a folder path")
+    return path
+
+
+def file_option(option: str, path: Path) -> Path:
+    """An output file option (``--plot x.png``): ``fail`` before any work when the path is
+    an existing folder or a folder above it is an existing file; returns ``path``."""
+    path = Path(path)
+    if path.is_dir():
+        fail(f"{option} {path}: a folder is there; give a file name")
+    blocker = _file_in_the_way(path.parent)
+    if blocker is not None:
+        fail(f"{option} {path}: {blocker} is a file, not a folder; give a path in a folder")
+    return path
 
 
 def user_error_types() -> tuple[type[BaseException], ...]:
