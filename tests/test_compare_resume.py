@@ -70,3 +70,39 @@ def test_compare_resume_does_not_reuse_a_run_finished_under_another_config(tmp_p
     res = runner.invoke(app, ["compare", "name=done", f"output_dir={tmp_path / 'moved'}",
                               *TINY, "--vary", "plan=baseline", "--seeds", "1", "--resume"])
     assert res.exit_code == 0 and "resumed from" not in res.output
+
+
+def _run(tmp_path, *extra):
+    return runner.invoke(app, ["run", *TINY, "name=r", f"output_dir={tmp_path}", *extra])
+
+
+def test_run_resume_of_a_finished_run_reports_it_and_trains_nothing(tmp_path):
+    assert _run(tmp_path).exit_code == 0
+    summary = (tmp_path / "r" / "summary.json").read_bytes()
+    weights = (tmp_path / "r" / "tuned.safetensors").read_bytes()
+    res = _run(tmp_path, "--resume")
+    assert res.exit_code == 0, res.output
+    assert "has finished: nothing to resume" in res.output and "best dev metrics" in res.output
+    assert (tmp_path / "r" / "summary.json").read_bytes() == summary
+    assert (tmp_path / "r" / "tuned.safetensors").read_bytes() == weights
+
+
+def test_run_resume_refuses_a_finished_run_of_another_config_and_keeps_it(tmp_path):
+    assert _run(tmp_path).exit_code == 0
+    files = {p.name: p.read_bytes() for p in (tmp_path / "r").iterdir() if p.is_file()}
+    res = _run(tmp_path, "train.batch_size=8", "--resume")
+    text = " ".join(res.output.split())
+    assert res.exit_code == 2 and "finished under another config" in text
+    assert "train.batch_size: 4 -> 8" in text and "--overwrite" in text
+    assert {p.name: p.read_bytes() for p in (tmp_path / "r").iterdir() if p.is_file()} == files
+
+
+def test_a_refused_resume_leaves_the_interrupted_run_as_it_was(tmp_path):
+    _cut(tmp_path, "cut")
+    run = tmp_path / "cut" / "baseline" / "seed-0"
+    before = (run / "summary.json").read_bytes()
+    cfg = load_config(None, [*TINY, "optim.lr=2e-3", "name=seed-0",
+                             f"output_dir={tmp_path / 'cut' / 'baseline'}"])
+    with pytest.raises(ConfigError, match="cannot resume"):
+        run_experiment(cfg, resume=True)
+    assert (run / "summary.json").read_bytes() == before  # not rewritten as "failed"

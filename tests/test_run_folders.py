@@ -86,6 +86,20 @@ def test_a_failed_run_writes_status_failed_with_the_error(tmp_path, monkeypatch)
     assert summary["started"] and summary["finished"] and "versions" in summary
 
 
+def test_ctrl_c_writes_status_interrupted(tmp_path, monkeypatch):
+    import attnlab.recipes.finetune as ft
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ft, "fit", stopped)
+    cfg = load_config(None, [*TINY, "name=c", f"output_dir={tmp_path}"])
+    with pytest.raises(KeyboardInterrupt):
+        run_experiment(cfg)
+    summary = json.loads((tmp_path / "c" / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["interrupted"] is True
+
+
 def test_collect_and_compare_leave_failed_runs_out():
     from attnlab.recipes.summary import RunSummary
 

@@ -40,7 +40,6 @@ from ..config import (
     apply_overrides,
     from_dict,
     resolved_yaml,
-    run_config_changes,
     to_dict,
     validate,
     with_optim_defaults,
@@ -48,6 +47,7 @@ from ..config import (
 from ..io import atomic_write, write_json
 from ..presets import plan_value
 from .preflight import preflight
+from .rundir import finished_summary
 from .summary import RunSummary, read_summary
 from .versus import add_versus, check_reference, versus_cells
 
@@ -148,29 +148,13 @@ def _run_configs(cfgs: list[ExperimentConfig], run: Callable[..., dict[str, Any]
     """Each config's summary: finished ones read back when ``resume``; the rest run here
     (``run``) or in ``parallel`` subprocesses. With ``resume`` an interrupted run continues
     from its last checkpoint (``attnlab run --resume``) instead of starting over."""
-    known = {id(cfg): s for cfg in cfgs if resume and (s := _finished(cfg)) is not None}
+    known = {id(cfg): s for cfg in cfgs if resume and (s := finished_summary(cfg)) is not None}
     todo = [cfg for cfg in cfgs if id(cfg) not in known]
     if parallel > 1 and todo:
         run_parallel(todo, parallel, resume=resume)
         known.update((id(cfg), read_summary(cfg.run_dir)) for cfg in todo)
     return [known[id(cfg)] if id(cfg) in known
             else RunSummary.from_dict(run(cfg, resume=resume)) for cfg in cfgs]
-
-
-def _finished(cfg: ExperimentConfig) -> RunSummary | None:
-    """The run's summary if it finished (not interrupted), else None. A finished run whose
-    saved config differs from ``cfg`` (other than its name and folder) is an error: its
-    result would be reported under settings it did not use."""
-    if not (cfg.run_dir / "summary.json").exists():
-        return None
-    summary = read_summary(cfg.run_dir)
-    if not summary.is_finished:
-        return None
-    if changes := run_config_changes(cfg.run_dir, cfg):
-        raise ConfigError(
-            f"--resume: {cfg.run_dir} finished under another config (" + "; ".join(changes)
-            + "). Use another name or output_dir for the new settings, or delete that run.")
-    return summary
 
 
 def run_parallel(cfgs: list[ExperimentConfig], workers: int, resume: bool = False

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -44,7 +45,7 @@ from ..tuning.base import TaskInfo, resolve_tuning, save_tuned
 from .evaluation import degenerate_warning, eval_splits_of, make_evaluator, subset
 from .head_select import Selection, resolve_run_plan
 from .preflight import preflight
-from .rundir import now, provenance, prune_finished
+from .rundir import finished_summary, now, provenance, prune_finished
 from .runmodel import apply_run_plan, build_model, load_run_model, task_kind
 from .summary import RunSummary, write_summary
 
@@ -73,11 +74,20 @@ def run_experiment(cfg: ExperimentConfig, resume: bool = False,
     The run folder is ``cfg.run_dir`` as given (``rundir.fresh_run`` picks a new one for the
     command line). A run that raises leaves ``summary.json`` with ``status: failed`` and the
     error (``interrupted`` for Ctrl-C), then re-raises. A finished run deletes its
-    checkpoints and best-model copy unless ``train.keep_checkpoints``.
+    checkpoints and best-model copy unless ``train.keep_checkpoints``. With ``resume``, a
+    run that has finished is read back, not trained again (refused if ``cfg`` asks for
+    other settings: ``rundir.finished_summary``), and checkpoints of another config are
+    refused (``check_resumable``); neither refusal touches the run's files.
     """
     cfg = with_optim_defaults(cfg)  # config.yaml and resume checks see the values used
     preflight(cfg)  # what `attnlab validate` refuses, refused before anything is loaded
     cfg, selection = resolve_run_plan(cfg)  # class:/score selectors -> explicit heads
+    if resume:  # checked before the try: a refusal must not mark the run it protects failed
+        done = finished_summary(cfg)
+        if done is not None:  # nothing to continue: report it, do not train it again
+            print(f"{cfg.run_dir} has finished: nothing to resume (its summary follows)")
+            return {**done.to_dict(), "is_main_process": os.environ.get("RANK", "0") == "0"}
+        check_resumable(cfg.run_dir, cfg)
     started, t0 = now(), time.perf_counter()
     try:
         return _run_experiment(cfg, resume, stop_after, started, t0, selection)
@@ -86,6 +96,7 @@ def run_experiment(cfg: ExperimentConfig, resume: bool = False,
             write_summary(cfg.run_dir, RunSummary(
                 name=cfg.name, task=cfg.task.name, seed=cfg.seed, error=f"{type(e).__name__}: {e}",
                 status="interrupted" if isinstance(e, KeyboardInterrupt) else "failed",
+                interrupted=isinstance(e, KeyboardInterrupt),
                 **provenance(), started=started, finished=now(),
                 wall_seconds=time.perf_counter() - t0))
         raise
@@ -97,8 +108,6 @@ def _run_experiment(cfg: ExperimentConfig, resume: bool, stop_after: int | None,
     accelerator = run_accelerator(cfg.train.mixed_precision)
     if selection is not None and accelerator.is_main_process:
         print(selection)  # the heads the plan's class:/score selectors matched
-    if resume:
-        check_resumable(cfg.run_dir, cfg)
     run = _prepare(cfg, accelerator)
     state = _fit_stage(cfg, run, run.model, accelerator, cfg.run_dir, resume, stop_after,
                        loop_settings(cfg), optim_settings(cfg), run.aux_loss)

@@ -3,6 +3,9 @@
 - :func:`fresh_run` never lets a new run write into an existing run's folder: ``runs/x``
   taken gives ``runs/x-2`` (then ``-3``, ...), unless ``overwrite`` (the folder is emptied
   first) or ``resume`` (the run continues there, or starts there if it never began).
+- :func:`finished_summary` reads back a run that finished, so that ``--resume`` (of
+  ``attnlab run`` and ``attnlab compare``) reports it instead of training it again, and
+  refuses it when the config asks for other settings.
 - :func:`provenance` is what ``summary.json`` says about where a run came from: attnlab's
   version and git commit (when run from a checkout), the versions of Python and the
   fast-moving libraries, and the device.
@@ -25,7 +28,8 @@ from typing import Any
 
 import torch
 
-from ..config import ConfigError, ExperimentConfig
+from ..config import ConfigError, ExperimentConfig, run_config_changes
+from .summary import RunSummary, read_summary
 
 LIBRARIES = ("torch", "transformers", "peft", "accelerate", "tokenizers", "datasets")
 
@@ -55,6 +59,24 @@ def fresh_run(cfg: ExperimentConfig, resume: bool = False, overwrite: bool = Fal
         i += 1
     new = dataclasses.replace(cfg, name=f"{cfg.name}-{i}")
     return new, f"{run_dir} exists: this run writes {new.run_dir} (--overwrite replaces it)"
+
+
+def finished_summary(cfg: ExperimentConfig) -> RunSummary | None:
+    """The summary of the run in ``cfg.run_dir`` if it finished (not failed, not
+    interrupted), else None. A finished run whose saved config differs from ``cfg`` (other
+    than its name and folder) is an error: its result would be reported under settings it
+    did not use, and training it again would replace it."""
+    if not (cfg.run_dir / "summary.json").exists():
+        return None
+    summary = read_summary(cfg.run_dir)
+    if not summary.is_finished:
+        return None
+    if changes := run_config_changes(cfg.run_dir, cfg):
+        raise ConfigError(
+            f"--resume: {cfg.run_dir} finished under another config (" + "; ".join(changes)
+            + "). Use another name or output_dir for the new settings, or replace that run "
+            "(attnlab run --overwrite).")
+    return summary
 
 
 def check_writable(folder: Path) -> None:
