@@ -29,6 +29,11 @@ def _error_line(res) -> str:
     ("unknown scratch size", "model.name=scratch:huge", "unknown size 'huge'"),
     ("unwritable output folder", "output_dir={tmp}/a-file/runs", "cannot write the run folder"),
     ("unknown task", "task.name=colaa", "cola"),
+    ("unknown eval split", "task.eval_split=foo",
+     "task.eval_split: task 'cola' has no split 'foo'; available splits: train, dev"),
+    ("unknown train split", "task.train_split=foo", "task.train_split: task 'cola' has no"),
+    ("negative steps", "train.max_steps=-5", "train.max_steps must be >= 1, got -5"),
+    ("negative learning rate", "optim.lr=-1", "optim.lr must be >= 0, got -1"),
 ])
 @pytest.mark.parametrize("command", ["validate", "run"])
 def test_one_line_errors_and_validate_agrees_with_run(tmp_path, command, case, override, expect):
@@ -162,3 +167,23 @@ def test_counts_below_one_are_refused_before_any_work(tmp_path, argv, option):
                                        else [])])
     assert _error_line(res) == f"error: {option} 0: give 1 or more"
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("command", ["run", "compare", "validate"])
+def test_a_command_without_a_config_says_to_give_one(command, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    res = runner.invoke(app, [command])
+    if command == "validate":  # its CONFIG is a required argument: typer's usage error
+        assert res.exit_code == 2 and "Missing argument" in res.output
+        return
+    assert "give a config, e.g. configs/glue/cola.yaml" in _error_line(res)
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("option,value", [("--seeds", "0"), ("--seeds", "-1"),
+                                          ("--parallel", "0")])
+def test_compare_refuses_counts_below_one_before_any_folder(option, value, tmp_path):
+    res = runner.invoke(app, ["compare", *TINY, f"output_dir={tmp_path}/out", "name=c",
+                              "--vary", "plan=baseline", option, value])
+    assert f"{option} {value}: give 1 or more" in _error_line(res)
+    assert not (tmp_path / "out").exists()

@@ -32,6 +32,20 @@ def test_unknown_key_names_close_match(tmp_path):
     ("optim.schedule=cosine", "linear"),
     ("nonsense", "key.sub=value"),
     ("train.keep_best=3", "true or false"),
+    ("train.max_steps=-5", r"train.max_steps must be >= 1, got -5"),
+    ("train.max_steps=0", r"train.max_steps must be >= 1"),
+    ("train.eval_every=0", r"train.eval_every must be >= 1"),
+    ("eval.batch_size=0", r"eval.batch_size must be >= 1"),
+    ("task.train_limit=-3", r"task.train_limit must be >= 1"),
+    ("model.max_length=0", r"model.max_length must be >= 2"),
+    ("optim.lr=-1", r"optim.lr must be >= 0, got -1"),
+    ("optim.warmup_ratio=3", r"optim.warmup_ratio must be in \[0, 1\]"),
+    ("optim.weight_decay=-0.1", r"optim.weight_decay must be >= 0"),
+    ("optim.max_grad_norm=0", r"optim.max_grad_norm must be > 0"),
+    ("optim.betas=[0.9, 1.5]", r"optim.betas two numbers in \[0, 1\)"),
+    ("model.dropout=1.0", r"model.dropout must be in \[0, 1\)"),
+    ("name=a/../../b", r"name 'a/../../b' must be one folder name"),
+    ("name=..", r"must be one folder name"),
 ])
 def test_bad_values(override, msg):
     with pytest.raises(ConfigError, match=msg):
@@ -97,3 +111,39 @@ def test_a_pasta_run_trains_with_pastas_recipe(tmp_path):
     assert res.exit_code == 0, res.output
     saved = yaml.safe_load((tmp_path / "p" / "config.yaml").read_text())["optim"]
     assert (saved["lr"], saved["weight_decay"], saved["warmup_ratio"]) == (2.5e-4, 0.0, 0.0)
+
+
+def test_unset_limits_and_steps_stay_allowed():
+    cfg = load_config(None, ["train.max_steps=null", "task.train_limit=null",
+                             "optim.lr=null", "optim.max_grad_norm=null"])
+    assert cfg.train.max_steps is None and cfg.optim.max_grad_norm is None
+
+
+def test_a_config_file_that_is_not_utf8_names_its_line(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_bytes(b"task: {name: cola}\nname: caf\xe9\n")
+    with pytest.raises(ConfigError, match=r"c.yaml:2: byte 0xe9 at column 10 is not UTF-8"):
+        load_config(p)
+
+
+def test_invalid_yaml_names_its_line(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("task: {name: cola}\ntrain:\n  batch_size: [1, 2\n  epochs: 3\n")
+    with pytest.raises(ConfigError, match=r"c.yaml:\d+: not valid YAML: "):
+        load_config(p)
+
+
+def test_a_key_given_twice_is_refused(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("task: {name: cola}\ntrain:\n  batch_size: 8\n  batch_size: 16\n")
+    with pytest.raises(ConfigError, match=r"c.yaml:4: not valid YAML: key 'batch_size' is "
+                       "given twice; keep one"):
+        load_config(p)
+
+
+def test_an_empty_config_file_is_refused(tmp_path):
+    p = tmp_path / "c.yaml"
+    for text in ("", "\n# nothing but a comment\n"):
+        p.write_text(text)
+        with pytest.raises(ConfigError, match="is empty; a config needs at least its task"):
+            load_config(p)

@@ -151,6 +151,9 @@ def _load(config: str | None, overrides: list[str] | None):
     if config is not None and "=" in config and not Path(config).exists():
         overrides = [config, *(overrides or [])]  # no file: all overrides
         config = None
+    if config is None and not overrides:
+        fail("give a config, e.g. configs/glue/cola.yaml (see configs/), or key=value "
+             "settings such as task.name=cola task.data_dir=../shared/data")
     with user_errors():
         return load_config(config, overrides or [])
 
@@ -273,22 +276,21 @@ def compare(
     overwrite: Overwrite = False,
 ) -> None:
     """Run variants over seeds; print and save a table (Markdown, CSV) and a bar plot."""
-    from .config import ConfigError
     from .recipes.compare import parse_vary, run_compare, to_markdown
     from .recipes.finetune import run_experiment
     from .recipes.rundir import fresh_run
 
+    at_least("--seeds", seeds)
+    at_least("--parallel", parallel)
+    if best_seeds is not None and best_seeds <= seeds:
+        fail(f"--best-seeds {best_seeds} must be more than --seeds {seeds} (the grid's seeds "
+             "are reused)")
     cfg = _load(config, overrides)
     with user_errors():
         cfg, note = fresh_run(cfg, resume=resume, overwrite=overwrite)
         if note:
             console.print(note, markup=False)
     with user_errors():
-        if parallel < 1:
-            raise ConfigError(f"--parallel {parallel}: give 1 or more runs at a time")
-        if best_seeds is not None and best_seeds <= seeds:
-            raise ConfigError(f"--best-seeds {best_seeds} must be more than --seeds {seeds} "
-                              "(the grid's seeds are reused)")
         rows, out = run_compare(cfg, parse_vary(vary or []), seeds, run_experiment,
                                 resume=resume, parallel=parallel, best_seeds=best_seeds,
                                 versus=versus)

@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from .core.spec import RegistryError, coerce, unknown_parameter
+from .io import not_utf8
 from .presets import plan_value
 
 
@@ -175,16 +176,45 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return out
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (plain YAML keeps the
+    last, silently dropping the first setting)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, str | int | float | bool):  # complex keys: YAML's own rules
+                continue
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice; keep one", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def read_yaml_mapping(path: Path, sections: str) -> dict[str, Any]:
-    """The mapping at the top of the YAML file ``path`` (an empty file: {}); a missing
-    file, invalid YAML or anything but a mapping is a one-line ConfigError, which names
-    the expected ``sections`` (e.g. "task:, model:, ...")."""
+    """The mapping at the top of the YAML file ``path``; a missing or empty file, one that
+    is not UTF-8, invalid YAML (with its line), a key given twice or anything but a mapping
+    is a one-line ConfigError, which names the expected ``sections`` (e.g. "task:, model:,
+    ...")."""
     if not path.is_file():
         raise ConfigError(f"config file {path} not found")
+    raw = path.read_bytes()
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ConfigError(not_utf8(path, raw, e)) from None
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+        what = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{where}: not valid YAML: {what}") from None
+    if data is None:  # no document: an empty file, or comments only
+        raise ConfigError(f"{path} is empty; a config needs at least its task ({sections}), "
+                          "e.g. task: {name: cola}")
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of sections ({sections})")
     return data
@@ -254,6 +284,37 @@ def validate(cfg: ExperimentConfig) -> None:
         raise ConfigError("train.mixed_precision must be 'no', 'bf16' or 'fp16'")
     if cfg.train.max_steps is None and cfg.train.epochs <= 0:
         raise ConfigError("train.epochs must be > 0 (or set train.max_steps)")
+    t = cfg.train
+    for key, value, low in (  # (key, value, least value); None = unset where allowed
+            ("train.max_steps", t.max_steps, 1), ("train.eval_every", t.eval_every, 1),
+            ("train.save_every", t.save_every, 1),
+            ("train.early_stopping_patience", t.early_stopping_patience, 1),
+            ("train.log_every", t.log_every, 1), ("eval.batch_size", cfg.eval.batch_size, 1),
+            ("task.train_limit", cfg.task.train_limit, 1),
+            ("task.eval_limit", cfg.task.eval_limit, 1),
+            ("model.max_length", cfg.model.max_length, 2)):
+        if value is not None and value < low:
+            raise ConfigError(f"{key} must be >= {low}, got {value}")
+    o = cfg.optim
+    if o.lr is not None and not o.lr >= 0:  # 0 is allowed: a run that trains nothing
+        raise ConfigError(f"optim.lr must be >= 0, got {o.lr}")
+    if o.weight_decay is not None and not o.weight_decay >= 0:
+        raise ConfigError(f"optim.weight_decay must be >= 0, got {o.weight_decay}")
+    if o.warmup_ratio is not None and not 0 <= o.warmup_ratio <= 1:
+        raise ConfigError(f"optim.warmup_ratio must be in [0, 1] (a share of the steps), got "
+                          f"{o.warmup_ratio}")
+    if o.max_grad_norm is not None and not o.max_grad_norm > 0:
+        raise ConfigError(f"optim.max_grad_norm must be > 0 (or null: no clipping), got "
+                          f"{o.max_grad_norm}")
+    if not (o.eps > 0 and len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas)):
+        raise ConfigError(f"optim.eps must be > 0 and optim.betas two numbers in [0, 1), got "
+                          f"{o.eps} and {list(o.betas)}")
+    if cfg.model.dropout is not None and not 0 <= cfg.model.dropout < 1:
+        raise ConfigError(f"model.dropout must be in [0, 1), got {cfg.model.dropout}")
+    name = cfg.name
+    if not name or name in (".", "..") or "/" in name or "\\" in name:
+        raise ConfigError(f"name {name!r} must be one folder name (no '/', not '.' or '..'); "
+                          "put the folder above it in output_dir")
 
 
 def with_optim_defaults(cfg: ExperimentConfig) -> ExperimentConfig:

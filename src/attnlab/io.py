@@ -1,4 +1,5 @@
-"""Files that are never half-written: one home for atomic writes.
+"""Files that are never half-written: one home for atomic writes (and for the message
+of a file read back that is not UTF-8, ``not_utf8``).
 
 Every file attnlab writes for a user (run summaries, configs, tables, plots, weights,
 reports) is written to a temporary file beside its target and renamed over it
@@ -95,3 +96,14 @@ def append_jsonl(path: str | os.PathLike, record: Any, default: Callable | None 
             if f.read(1) != b"\n":
                 text = "\n" + text
         f.write(text.encode("utf-8"))
+
+
+def not_utf8(path: str | os.PathLike, data: bytes, err: UnicodeDecodeError,
+             first_line: int = 1) -> str:
+    """``file:line: byte 0x.. at column c is not UTF-8; save the file as UTF-8`` for the
+    decoding error ``err`` of ``data`` (a whole file, or one line of it numbered
+    ``first_line``)."""
+    line = first_line + data.count(b"\n", 0, err.start)
+    column = err.start - data.rfind(b"\n", 0, err.start)  # 1-based
+    return (f"{path}:{line}: byte {data[err.start]:#04x} at column {column} is not UTF-8; "
+            "save the file as UTF-8")

@@ -19,7 +19,7 @@ from ..hf.check import check_model_config
 from ..hf.plan import Plan
 from ..models import SIZES
 from ..tasks import get_task
-from ..tasks.base import require_package
+from ..tasks.base import canonical_split, require_package
 from ..tuning import resolve_tuning
 from .evaluation import eval_splits_of
 from .head_select import check_run_selectors
@@ -72,6 +72,13 @@ def check_task_ids(plan: Plan | None, task_id: int | None) -> None:
 def preflight(cfg: ExperimentConfig, load_data: bool = False) -> None:
     """Raise the first problem that would stop ``cfg`` from running (nothing is written)."""
     task = get_task(cfg.task.name)
+    for key, split in (("task.train_split", cfg.task.train_split),
+                       ("task.eval_split", cfg.task.eval_split)):
+        if split is not None:
+            try:
+                canonical_split(split, task.splits, task.name)
+            except ValueError as e:
+                raise ConfigError(f"{key}: {e}") from None
     check_task_ids(Plan.parse(cfg.plan) if cfg.plan else None, cfg.task.task_id)
     resolve_tuning(cfg.tuning.method)
     check_model_name(cfg.model.name)

@@ -42,6 +42,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import torch
 
 from attnlab.core import Registry
+from attnlab.io import not_utf8
 
 HeadType = Literal[
     "sequence-classification", "token-classification", "question-answering", "masked-lm"
@@ -200,9 +201,8 @@ def read_lines(path: Path) -> Iterator[tuple[int, str]]:
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise DataFormatError(path, i, f"byte {raw[e.start]:#04x} at column "
-                                      f"{e.start + 1} is not UTF-8; save the file as "
-                                      "UTF-8") from None
+                message = not_utf8(path, raw, e, first_line=i).split(": ", 1)[1]
+                raise DataFormatError(path, i, message) from None
             if line.endswith("\n"):
                 line = line[:-1]
             if line.endswith("\r"):
