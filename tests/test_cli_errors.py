@@ -187,3 +187,29 @@ def test_compare_refuses_counts_below_one_before_any_folder(option, value, tmp_p
                               "--vary", "plan=baseline", option, value])
     assert f"{option} {value}: give 1 or more" in _error_line(res)
     assert not (tmp_path / "out").exists()
+
+
+def test_plan_errors_name_the_rule_once_and_argument_free_plans_refuse_arguments(tmp_path):
+    res = runner.invoke(app, ["validate", *TINY, f"output_dir={tmp_path}",
+                              "plan=0:-1:band(window=2)"])
+    line = _error_line(res)
+    assert line.count("plan rule 0") == 1 and "heads: cannot read '-1'" in line
+    res = runner.invoke(app, ["validate", *TINY, f"output_dir={tmp_path}",
+                              "plan=baseline(window=3)"])
+    assert "takes no arguments; write plan=baseline" in _error_line(res)
+
+
+def test_eval_names_a_missing_folder_and_an_unreadable_weights_file(tmp_path):
+    assert "is not a folder; give the folder of a finished attnlab run" in _error_line(
+        runner.invoke(app, ["eval", str(tmp_path / "nowhere")]))
+    res = runner.invoke(app, ["run", *TINY, f"output_dir={tmp_path}", "name=e"])
+    assert res.exit_code == 0, res.output
+    (tmp_path / "e" / "tuned.safetensors").write_text("garbage")
+    line = _error_line(runner.invoke(app, ["eval", str(tmp_path / "e")]))
+    assert "tuned.safetensors: not a readable safetensors file" in line
+
+
+@pytest.mark.parametrize("flags,expect", [(["--json", "--markdown"], "give one output format"),
+                                          (["--plans", "--markdown"], "no Markdown form")])
+def test_ls_refuses_flags_that_contradict(flags, expect):
+    assert expect in _error_line(runner.invoke(app, ["ls", *flags]))

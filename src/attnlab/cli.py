@@ -56,6 +56,10 @@ def ls(
     """List every registered attention mechanism (or, with --plans, every named plan)."""
     from .catalogue import catalogue_markdown, catalogue_rows
 
+    if as_json and markdown:
+        fail("--json and --markdown: give one output format")
+    if plans and markdown:
+        fail("--plans has no Markdown form; use --plans or --plans --json")
     if plans:
         from .presets import NAMED_PLANS
 

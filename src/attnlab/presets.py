@@ -94,6 +94,9 @@ def plan_value(value: str) -> list[str]:
         return [r for r in value.split(";") if r.strip()]
     name = value.split("(", 1)[0].strip()
     if "(" in value and name in NAMED_PLANS:
+        if not NAMED_PLANS[name]:
+            raise RegistryError(f"plan {value!r}: {name!r} gives no head a mechanism, so it "
+                                f"takes no arguments; write plan={name}")
         return _with_args(name, value)
     raise RegistryError(f"unknown plan {value!r}; use one of {', '.join(NAMED_PLANS)} "
                         "(optionally with arguments, e.g. jat(rho=4.5)) or rules like "

@@ -254,7 +254,7 @@ def _rule_from_mapping(raw: Mapping[str, Any], pos: int) -> Rule:
         raise PlanError(f"{where}: missing 'mechanism', e.g. mechanism: band(window=64)")
     layers = parse_indices(raw.get("layers", "all"), f"{where}, layers")
     try:
-        heads = _parse_heads(raw.get("heads", "all"), f"{where}, heads")
+        heads = _parse_heads(raw.get("heads", "all"), "heads")  # the rule is named below
     except PlanError as e:
         raise PlanError(f"{where}: {e}") from None
     try:

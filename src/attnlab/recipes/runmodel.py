@@ -76,6 +76,9 @@ def load_run_model(run_dir: str | Path) -> tuple[torch.nn.Module, Any, Experimen
     """
     run_dir = Path(run_dir)
     weights = run_dir / "tuned.safetensors"
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"{run_dir} is not a folder; give the folder of a finished "
+                                "attnlab run (e.g. runs/<name>)")
     if not weights.exists():
         raise FileNotFoundError(f"{weights} not found: is {run_dir} a finished attnlab run?")
     cfg = load_config(run_dir / "config.yaml")

@@ -34,12 +34,13 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal, Protocol, cast, runtime_checkable
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 from attnlab.core import Registry, config_dict, config_spec
 from attnlab.io import atomic_path
+from attnlab.tasks.base import DataFormatError
 
 TaskKind = Literal["single", "pair", "ner", "qa", "other"]
 RECORD_ATTR = "_attnlab_tuning"
@@ -426,9 +427,14 @@ def save_tuned(model: nn.Module, tuner: Tuner, path: str | os.PathLike) -> Path:
 
 
 def load_tuned_file(model: nn.Module, tuner: Tuner, path: str | os.PathLike) -> None:
-    """Load a file from ``save_tuned`` into a model the same tuner was applied to."""
-    with safe_open(str(path), framework="pt") as f:
-        saved = (f.metadata() or {}).get("attnlab_tuner")
+    """Load a file from ``save_tuned`` into a model the same tuner was applied to; a file
+    safetensors cannot read is a DataFormatError naming it (one line at the CLI)."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            saved = (f.metadata() or {}).get("attnlab_tuner")
+    except SafetensorError as e:
+        raise DataFormatError(path, None, f"not a readable safetensors file ({e}); run the "
+                              "training again, or copy the file anew") from None
     if saved is not None and saved != tuner.name:
         raise ValueError(f"{path} holds weights of tuner {saved!r}, not {tuner.name!r}")
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
