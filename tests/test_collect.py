@@ -40,6 +40,12 @@ def test_collect_rows_from_variant_and_compare_folders(tmp_path):
     assert res.exit_code == 0, res.output
     rows = json.loads((out / "comparison.json").read_text())
     assert [r["variant"] for r in rows] == ["b/0-1_all_band_window=2", "w=2"]
+    # a label twice would put one folder's numbers in two rows
+    res = runner.invoke(app, ["collect", f"x={band}", f"x={band}", "--out", str(out)])
+    assert res.exit_code == 2 and "x given more than once" in " ".join(res.output.split())
+    (tmp_path / "a-file").write_text("")
+    res = runner.invoke(app, ["collect", str(band), "--out", str(tmp_path / "a-file" / "o")])
+    assert res.exit_code == 2 and "is a file, not a folder" in " ".join(res.output.split())
 
 
 def test_collect_errors_name_the_problem(tmp_path):

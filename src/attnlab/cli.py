@@ -19,7 +19,7 @@ from rich.table import Table
 from .cli_analyze import analyze_app, report
 from .cli_bench import bench_lra, bench_record
 from .cli_data import app as data_app
-from .cli_errors import at_least, fail, positive_ints, set_debug, user_errors
+from .cli_errors import at_least, fail, folder_option, positive_ints, set_debug, user_errors
 from .cli_tlm import tlm_app
 
 app = typer.Typer(
@@ -319,6 +319,7 @@ def collect(
     from .recipes.collect import collect as collect_rows
     from .recipes.collect import write_collected
 
+    folder_option("--out", out)
     with user_errors():
         rows = collect_rows(runs, show, matrix=matrix)
         if versus is not None:

@@ -20,7 +20,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from .cli_errors import fail, user_errors
+from .cli_errors import at_least, fail, file_option, folder_option, user_errors
 
 T = TypeVar("T")
 analyze_app = typer.Typer(
@@ -96,6 +96,8 @@ def heads(
 
     if compare is not None and model is not None:
         fail("give either MODEL or --compare A B, not both")
+    if out is not None:
+        folder_option("--out", out)
     with user_errors(ValueError, KeyError):
         head_list = rec.parse_heads(heads)
         specs = list(compare) if compare is not None else [model or "default"]
@@ -169,6 +171,11 @@ def importance(
     from .recipes import analyze as rec  # start-up: the recipes load transformers
     from .recipes.importance import run_importance, write_importance
 
+    if metric is not None and not ablation:  # the metric is the ablation's, and nothing else's
+        fail(f"--metric {metric}: only the ablation uses a metric, and --no-ablation skips it; "
+             "drop --metric, or drop --no-ablation to ablate on it")
+    if out is not None:
+        folder_option("--out", out)
     with user_errors(ValueError, KeyError):
         loaded = rec.load_model(model)
         source = rec.source_for(loaded, rec.TextSource(
@@ -228,6 +235,8 @@ def overlap(
     from .io import write_json
     from .recipes import analyze as rec  # start-up: the recipes load transformers
 
+    if out is not None:
+        file_option("--out", out)
     results: dict[str, Any] = {}
     with user_errors(ValueError, KeyError):
         for spec in models:
@@ -293,6 +302,8 @@ def links(
 
     if sentences < 1:
         fail(f"--sentences must be at least 1, got {sentences}")
+    if out is not None:
+        file_option("--out", out)
     with user_errors(ValueError, KeyError):
         rhos = parse_rhos(rho)
         loaded = rec.load_model(model)
@@ -337,6 +348,10 @@ def report(
     """One self-contained HTML report of a run: config, plan, metrics, head grids, explorer."""
     from .recipes.run_report import run_report  # start-up: loads transformers, matplotlib
 
+    at_least("--sample", sample)  # run_report's own check would name analyze's --limit
+    at_least("--batch-size", batch_size)
+    if out is not None:
+        file_option("--out", out)
     with user_errors(ValueError, KeyError):
         path, origin = run_report(run_dir, out=out, sample=sample, data_dir=data_dir,
                                   batch_size=batch_size, progress=_progress)
@@ -382,6 +397,8 @@ def connections(
 
     if compare is not None and run_dir is not None:
         fail("give either RUN_DIR or --compare RUN_A RUN_B, not both")
+    if out is not None:
+        folder_option("--out", out)
     with user_errors(ValueError, KeyError):
         specs = list(compare) if compare is not None else [run_dir or "default"]
         source = rec.ConllSource(split=split, data_dir=data_dir, limit=limit,

@@ -6,6 +6,11 @@
 ``attnlab data recall`` writes multi-query associative recall (Zoology's MQAR construction,
 ``attnlab.tasks.recall``) and ``attnlab data text`` byte-level documents built from GLUE
 SST-2 (``attnlab.tasks.bytetext``), both seeded: same arguments, byte-identical files.
+
+Each generator checks its options and builds every split in memory before anything goes to
+disk; the files are then written atomically, the ``--out`` folder is made on the first
+write, and after an error (or Ctrl-C) while writing, the files and folders the command made
+are removed again (``attnlab.io.write_splits``, through the tasks' ``write_*``).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from .cli_errors import fail, user_errors
+from .cli_errors import at_least, fail, folder_option, user_errors
 from .tasks import bytetext as bt
 from .tasks import listops as lo
 from .tasks import recall as rc
@@ -41,6 +46,7 @@ def listops(
         help="Keep trees shorter than this (tokens, parentheses not counted).")] = lo.MAX_LENGTH,
 ) -> None:
     """Generate the LRA ListOps TSVs (defaults: LRA's; full size: ~2-3 min, 0.7 GB)."""
+    out = folder_option("--out", out.expanduser())
     with user_errors(ValueError, RuntimeError, OSError):
         paths = lo.write_listops(
             out, num_train=num_train, num_valid=num_valid, num_test=num_test,
@@ -85,6 +91,7 @@ def recall(
         help="Fill the non-query slots with random symbols.")] = True,
 ) -> None:
     """Generate multi-query associative recall (Zoology's MQAR; defaults: Zoology's)."""
+    out = folder_option("--out", out.expanduser())
     with user_errors(ValueError, OSError):
         paths = rc.write_recall(
             out, num_train=num_train, num_dev=num_dev, num_test=num_test,
@@ -110,6 +117,7 @@ def text(
         bt.MAX_BYTES),
 ) -> None:
     """Generate byte-level documents from SST-2, labelled by their one marked sentence."""
+    out = folder_option("--out", out.expanduser())
     with user_errors(ValueError, OSError):
         paths = bt.write_text(out, data_dir, num_train=num_train, num_dev=num_dev,
                               min_bytes=min_bytes, max_bytes=max_bytes, seed=seed)
@@ -138,23 +146,32 @@ def squad_windows(
     from .models import default_model_path
     from .tasks.squad import SquadTask
 
-    task = SquadTask(stride=stride)
+    # every option is checked, and every count made, before the first line is printed
     try:
         wanted = [(s.split(":")[0].strip(), int(s.split(":")[1])) for s in splits.split(",")]
     except (IndexError, ValueError):
-        fail(f"--splits {splits!r}: write SPLIT:LIMIT pairs, e.g. dev_train:4000,dev_eval:1000")
+        wanted = []
+    if not wanted or min(limit for _, limit in wanted) < 1:
+        fail(f"--splits {splits!r}: write SPLIT:LIMIT pairs with LIMIT >= 1, e.g. "
+             "dev_train:4000,dev_eval:1000")
+    at_least("--max-length", max_length)
+    if stride is not None and not 0 <= stride < max_length:
+        fail(f"--stride {stride} must be >= 0 and below --max-length {max_length}; leave it "
+             f"out for the task's max_length // 3 ({max_length // 3})")
+    task = SquadTask(stride=stride)
     with user_errors(ValueError, OSError, ImportError):
         tok = transformers.AutoTokenizer.from_pretrained(default_model_path(),
                                                          local_files_only=True)
         loaded = [(split, limit, task.load(split, data_dir)[:limit]) for split, limit in wanted]
+        counts = [(split, limit, task.window_coverage(examples, tok, max_length))
+                  for split, limit, examples in loaded]
     console.print(f"tokenizers {tokenizers.__version__}, transformers {transformers.__version__}"
                   f", the embedded MiniLM tokenizer, {max_length} tokens, stride "
                   f"{task.stride if task.stride is not None else max_length // 3}\n",
                   markup=False)
     console.print("| split | questions | windows | cut contexts | answers in no window |\n"
                   "|---|---:|---:|---:|---:|", markup=False)
-    for split, limit, examples in loaded:
-        c = task.window_coverage(examples, tok, max_length)
+    for split, limit, c in counts:
         share = c["answers_in_no_window"] / max(c["questions"], 1)
         console.print(f"| {split} (first {limit}) | {c['questions']:,} | {c['windows']:,} | "
                       f"{c['cut_contexts']} | {c['answers_in_no_window']} ({share:.1%}) |",

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+R = TypeVar("R")
 
 
 def _temp_for(path: Path) -> Path:
@@ -107,3 +109,27 @@ def not_utf8(path: str | os.PathLike, data: bytes, err: UnicodeDecodeError,
     column = err.start - data.rfind(b"\n", 0, err.start)  # 1-based
     return (f"{path}:{line}: byte {data[err.start]:#04x} at column {column} is not UTF-8; "
             "save the file as UTF-8")
+
+
+def write_splits(out: str | os.PathLike, splits: Mapping[str, R], files: Mapping[str, str],
+                 write: Callable[[R, Path], Path]) -> dict[str, Path]:
+    """``write(rows, out / files[split])`` for each split, the data built beforehand (so a
+    bad option fails before anything is made): each file written atomically by ``write``,
+    the folder made by the first. If a write fails or is interrupted, the files and the
+    folders this call made are removed again, so a failed command leaves no empty folder
+    and no partial set of splits (a file it replaced stays replaced, whole)."""
+    out = Path(out)
+    new_dirs = [p for p in (out, *out.parents) if not p.exists()]  # deepest first
+    paths = {split: out / files[split] for split in splits}
+    new_files = [p for p in paths.values() if not p.exists()]
+    try:
+        return {split: write(rows, paths[split]) for split, rows in splits.items()}
+    except BaseException:
+        for p in new_files:
+            p.unlink(missing_ok=True)
+        for d in new_dirs:
+            try:
+                d.rmdir()  # only while empty
+            except OSError:
+                break
+        raise

@@ -122,11 +122,12 @@ def collect(items: list[str], show: list[str] | None = None, matrix: bool = Fals
                               "compare output folder with variant folders")
         for v in variants:
             rows.append(_row(f"{label or path.name}/{v.name}", v, show))
-    if matrix and len({r["variant"] for r in rows}) < len(rows):
+    if len({r["variant"] for r in rows}) < len(rows):  # one row per label: a table, no echo
         twice = sorted({r["variant"] for r in rows if [x["variant"] for x in rows].count(
             r["variant"]) > 1})
-        raise ConfigError(f"--matrix: {', '.join(twice)} given more than once (one folder "
-                          "per ROW@COLUMN cell)")
+        raise ConfigError(f"{', '.join(twice)} given more than once" + (
+            " (one folder per ROW@COLUMN cell)" if matrix else
+            "; give each folder once, or label them apart (LABEL=PATH)"))
     by_column: dict[str, set[str]] = {}
     for r in rows:
         by_column.setdefault(cell_of(r["variant"])[1] if matrix else "", set()).add(r["metric"])

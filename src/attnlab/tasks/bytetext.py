@@ -57,7 +57,7 @@ from typing import Any
 
 import numpy as np
 
-from ..io import atomic_path
+from ..io import atomic_path, write_splits
 from .base import (
     BUILTIN,
     DataFormatError,
@@ -193,11 +193,10 @@ def write_jsonl(examples: Iterable[ByteTextExample], path: str | Path) -> Path:
 
 
 def write_text(out_dir: str | Path, data_dir: str | Path, **kwargs: Any) -> dict[str, Path]:
-    """Generate (``generate_text`` arguments) and write ``{train,dev}.jsonl``."""
-    out = Path(out_dir).expanduser()
-    out.mkdir(parents=True, exist_ok=True)
-    splits = generate_text(data_dir, **kwargs)
-    return {s: write_jsonl(exs, out / FILES[s]) for s, exs in splits.items()}
+    """Generate (``generate_text`` arguments) and write ``{train,dev}.jsonl``
+    (``io.write_splits``: nothing is made when an argument is refused or a write fails)."""
+    return write_splits(Path(out_dir).expanduser(), generate_text(data_dir, **kwargs), FILES,
+                        write_jsonl)
 
 
 def marked_segment(text: str) -> str:

@@ -51,7 +51,7 @@ from typing import Any
 
 import numpy as np
 
-from ..io import atomic_path
+from ..io import atomic_path, write_splits
 from .base import (
     BUILTIN,
     DataFormatError,
@@ -263,11 +263,10 @@ def write_tsv(rows: Iterable[tuple[str, int]], path: str | Path) -> Path:
 
 
 def write_listops(out_dir: str | Path, **kwargs: Any) -> dict[str, Path]:
-    """Generate (``generate_listops`` arguments) and write ``basic_{train,val,test}.tsv``."""
-    out = Path(out_dir).expanduser()
-    out.mkdir(parents=True, exist_ok=True)
-    splits = generate_listops(**kwargs)
-    return {s: write_tsv(rows, out / FILES[s]) for s, rows in splits.items()}
+    """Generate (``generate_listops`` arguments) and write ``basic_{train,val,test}.tsv``
+    (``io.write_splits``: nothing is made when an argument is refused or a write fails)."""
+    return write_splits(Path(out_dir).expanduser(), generate_listops(**kwargs), FILES,
+                        write_tsv)
 
 
 # ----------------------------------------------------------------------------- task

@@ -55,7 +55,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..io import atomic_path
+from ..io import atomic_path, write_splits
 from .base import (
     BUILTIN,
     MODEL_INPUT_KEYS,
@@ -195,10 +195,10 @@ def write_jsonl(examples: Iterable[RecallExample], path: str | Path) -> Path:
 
 
 def write_recall(out_dir: str | Path, **kwargs: Any) -> dict[str, Path]:
-    """Generate (``generate_recall`` arguments) and write ``{train,dev,test}.jsonl``."""
-    out = Path(out_dir).expanduser()
-    out.mkdir(parents=True, exist_ok=True)
-    return {s: write_jsonl(exs, out / FILES[s]) for s, exs in generate_recall(**kwargs).items()}
+    """Generate (``generate_recall`` arguments) and write ``{train,dev,test}.jsonl``
+    (``io.write_splits``: nothing is made when an argument is refused or a write fails)."""
+    return write_splits(Path(out_dir).expanduser(), generate_recall(**kwargs), FILES,
+                        write_jsonl)
 
 
 # ----------------------------------------------------------------------------- loader
