@@ -150,3 +150,13 @@ def test_retrieve_then_train_with_random_passages(tmp_path):
     source = json.loads((tmp_path / "runs" / "tlm-cola" / "random" / "seed-0" /
                          "external.json").read_text())
     assert source["condition"] == "random" and source["passages"] >= 1
+
+
+def test_a_run_config_given_to_tlm_is_named_as_one(tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("task: {name: cola}\ntuning: {method: bitfit}\ntrain: {max_steps: 1}\n")
+    for args in (["tlm", "retrieve", str(cfg)], ["tlm", "train", str(cfg)]):
+        res = runner.invoke(app, args)
+        assert res.exit_code == 2, res.output
+        text = " ".join(res.output.split())
+        assert "is a config of `attnlab run` (train, tuning: ...), not of `attnlab tlm`" in text

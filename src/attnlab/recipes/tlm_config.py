@@ -122,6 +122,12 @@ def load_tlm_config(path: str | Path | None, overrides: list[str] | None = None)
     if path is not None:
         p = Path(path)
         data = _absolute_paths(read_yaml_mapping(p, "task:, stage1:, ..."), p.parent)
+        run_keys = sorted(set(data) & {"plan", "tuning", "analysis", "optim", "train"})
+        if run_keys and not set(data) & {"stage1", "stage2", "retrieval", "external"}:
+            raise ConfigError(
+                f"{p} is a config of `attnlab run` ({', '.join(run_keys)}: ...), not of "
+                "`attnlab tlm`; give a TLM config (configs/tlm_*.yaml: task:, retrieval:, "
+                "stage1:, stage2:) or the folder of a TLM run")
     data = _absolute_paths(apply_overrides(data, overrides or []), Path.cwd())
     cfg = from_dict(TlmConfig, data)
     if cfg.name is None:
