@@ -17,9 +17,9 @@ from rich.console import Console
 from rich.table import Table
 
 from .cli_analyze import analyze_app, report
-from .cli_bench import bench_lra, bench_record
+from .cli_bench import bench_jat, bench_lra, bench_record, bench_sparse, bench_speed
 from .cli_data import app as data_app
-from .cli_errors import at_least, fail, folder_option, positive_ints, set_debug, user_errors
+from .cli_errors import at_least, fail, folder_option, set_debug, user_errors
 from .cli_tlm import tlm_app
 
 app = typer.Typer(
@@ -361,121 +361,13 @@ def params(
     typer.echo(format_params(report))
 
 
-@bench_app.command("sparse")
-def bench_sparse(
-    ns: Annotated[str, typer.Option(help="Comma-separated lengths.")] = "1024,2048,4096,8192",
-    window: int = 128,
-    mechanism: Annotated[list[str] | None, typer.Option(
-        help="Mechanism spec (repeatable); default band(window=WINDOW)."
-    )] = None,
-    repeats: int = 3,
-    threads: Annotated[int | None, typer.Option(
-        help="torch threads per measurement (docs/benchmarks.md records --threads 1)."
-    )] = None,
-    device: Annotated[str, typer.Option(help="cpu or cuda (FlexAttention path).")] = "cpu",
-    dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "float32",
-    plot: Annotated[str | None, typer.Option(help="Also draw the scaling curves to this PNG.")
-                    ] = None,
-) -> None:
-    """Band (or another sparse pattern) vs dense SDPA: time fwd / fwd+bwd, peak memory."""
-    from .bench.speed import bench_sparse as run_bench
-    from .bench.speed import format_markdown
-
-    _check_device(device)
-    at_least("--repeats", repeats)
-    rows = run_bench(ns=positive_ints(ns, "--ns"), window=window,
-                     mechanism=mechanism or "band", repeats=repeats, threads=threads,
-                     device=device, dtype=dtype)
-    console.print(format_markdown(rows), markup=False)
-    _plot_bench(rows, plot)
-
-
-@bench_app.command("speed")
-def bench_speed(
-    mechanisms: Annotated[str | None, typer.Option(
-        help="Comma-separated names or specs (default: every registered mechanism; peers "
-             "may be added: hf_longformer, hf_bigbird, hf_nystromformer, hf_reformer_lsh, "
-             "flex_band, flex_longformer).")] = None,
-    n: Annotated[str, typer.Option(help="Comma-separated lengths.")] = (
-        "512,1024,2048,4096,8192,16384"),
-    repeats: int = 3,
-    threads: Annotated[int, typer.Option(help="torch threads per measurement.")] = 1,
-    out: Annotated[str, typer.Option(help="Output folder (rows.jsonl makes it resumable).")
-                   ] = "runs/bench/speed",
-    dense_max_n: Annotated[int, typer.Option(
-        help="Largest n for quadratic mechanisms (their n x n scores).")] = 4096,
-    fit_from: Annotated[int, typer.Option(help="Fit exponents over n >= this.")] = 2048,
-    device: Annotated[str, typer.Option(
-        help="cpu, or cuda (one process, the allocator's peak; sparse patterns on "
-             "FlexAttention).")] = "cpu",
-    dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "float32",
-) -> None:
-    """Every mechanism vs dense SDPA: time, peak memory, fitted exponents, chart (resumable)."""
-    from .bench.suite import run_suite
-    from .core.spec import split_top
-
-    _check_device(device)
-    if dtype not in ("float32", "bfloat16"):
-        fail(f"--dtype {dtype}: use float32 or bfloat16")
-    at_least("--repeats", repeats)
-    at_least("--threads", threads)
-    lengths = positive_ints(n, "--n")
-    names = [m.strip() for m in split_top(mechanisms, ",") if m.strip()] if mechanisms else None
-    with user_errors():
-        results = run_suite(out, names, lengths, repeats=repeats,
-                            threads=threads, dense_max_n=dense_max_n, fit_from=fit_from,
-                            device=device, dtype=dtype)
-    from .bench.suite import format_table
-
-    console.print(format_table(results), markup=False)
-    console.print(f"saved {out}/results.json, {out}/table.md, {out}/scaling.png")
-
-
-@bench_app.command("jat")
-def bench_jat(
-    lengths: Annotated[str, typer.Option(help="Comma-separated lengths.")] = "128,256,512,1024",
-    batch: int = 8,
-    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
-    naive_limit_gb: Annotated[float, typer.Option(
-        help="Skip the L^3 form where its estimated peak exceeds this.")] = 8.0,
-    plot: Annotated[str | None, typer.Option(help="Also draw the scaling curves to this PNG.")
-                    ] = None,
-    counter: Annotated[str, typer.Option(
-        help="Exact link counter: auto, enumerate, compare or direct.")] = "auto",
-) -> None:
-    """One layer of 6 JAT heads: efficient vs the official L^3 form, time and peak memory."""
-    from .bench.jat import bench_jat as run_bench
-    from .bench.jat import format_markdown
-
-    _check_device(device)
-    at_least("--batch", batch)
-    rows = run_bench(lengths=positive_ints(lengths, "--lengths"), batch=batch,
-                     device=device, naive_limit_gb=naive_limit_gb, counter=counter)
-    console.print(format_markdown(rows), markup=False)
-    _plot_bench(rows, plot)
-
-
-def _plot_bench(rows, plot: str | None) -> None:
-    if plot:
-        from .bench.plots import env_title, scaling_plot
-        from .bench.speed import environment
-
-        console.print(f"saved {scaling_plot(rows, plot, title=env_title(environment()))}")
-
-
-def _check_device(device: str) -> None:
-    import torch
-
-    if device not in ("cpu", "cuda"):
-        fail(f"unknown device {device!r}: use cpu or cuda")
-    if device == "cuda" and not torch.cuda.is_available():
-        fail("--device cuda: this torch sees no CUDA GPU; use --device cpu")
-
-
 app.add_typer(analyze_app, name="analyze")
 app.add_typer(data_app, name="data")
 app.add_typer(tlm_app, name="tlm")
 app.command("report")(report)
+bench_app.command("sparse")(bench_sparse)
+bench_app.command("speed")(bench_speed)
+bench_app.command("jat")(bench_jat)
 bench_app.command("lra")(bench_lra)
 bench_app.command("record")(bench_record)
 

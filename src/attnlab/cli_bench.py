@@ -1,8 +1,15 @@
-"""``attnlab bench lra`` (wired into ``attnlab bench`` by ``attnlab.cli``).
+"""The ``attnlab bench`` commands (wired into ``attnlab bench`` by ``attnlab.cli``).
 
-A Long Range Arena of our own (``attnlab.bench.lra``): one small from-scratch encoder per
-mechanism, trained a fixed number of steps on ListOps, associative recall and byte-level
-text at one length, with accuracy, training steps/s and peak memory against softmax::
+``bench sparse`` (one sparse pattern vs dense SDPA), ``bench speed`` (every mechanism vs
+SDPA: time, memory, fitted exponents), ``bench jat`` (the JAT layer vs its official n^3
+form), ``bench lra`` and ``bench record``. Bad input (an output path a file stands in, an
+unknown mechanism or counter, a number out of range, missing task data) is refused with one
+line before anything is measured or written (``cli_errors``).
+
+``bench lra`` is a Long Range Arena of our own (``attnlab.bench.lra``): one small
+from-scratch encoder per mechanism, trained a fixed number of steps on ListOps, associative
+recall and byte-level text at one length, with accuracy, training steps/s and peak memory
+against softmax::
 
     attnlab bench lra --mechanisms softmax,band,linear_elu --task listops --steps 50
     attnlab bench lra --mechanisms "mega(chunk=128)" --task listops --length 4096 --steps 5
@@ -10,21 +17,159 @@ text at one length, with accuracy, training steps/s and peak memory against soft
     attnlab bench lra --speed-only --length 4096 --baseline "softmax(fused=False)" \
         --mechanisms "softmax,mega(chunk=128),band"   # ratios against a vanilla Transformer
 
-The bench, torch and transformers are imported inside the command, so ``attnlab --help``
+The bench, torch and transformers are imported inside the commands, so ``attnlab --help``
 stays fast.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 
-from .cli_errors import user_errors
+from .cli_errors import at_least, fail, file_option, folder_option, positive_ints, user_errors
 
 console = Console()
+
+
+def bench_sparse(
+    ns: Annotated[str, typer.Option(help="Comma-separated lengths.")] = "1024,2048,4096,8192",
+    window: int = 128,
+    mechanism: Annotated[list[str] | None, typer.Option(
+        help="Mechanism spec (repeatable); default band(window=WINDOW)."
+    )] = None,
+    repeats: int = 3,
+    threads: Annotated[int | None, typer.Option(
+        help="torch threads per measurement (docs/benchmarks.md records --threads 1)."
+    )] = None,
+    device: Annotated[str, typer.Option(help="cpu or cuda (FlexAttention path).")] = "cpu",
+    dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "float32",
+    plot: Annotated[str | None, typer.Option(help="Also draw the scaling curves to this PNG.")
+                    ] = None,
+) -> None:
+    """Band (or another sparse pattern) vs dense SDPA: time fwd / fwd+bwd, peak memory."""
+    plot_path = _plot_option(plot)
+    lengths = positive_ints(ns, "--ns")
+    at_least("--repeats", repeats)
+    if threads is not None:
+        at_least("--threads", threads)
+    _check_dtype(dtype)
+    _check_device(device)
+    from .bench.speed import bench_sparse as run_bench
+    from .bench.speed import format_markdown
+
+    with user_errors():  # an unknown mechanism or a bad value: refused before any run
+        rows = run_bench(ns=lengths, window=window, mechanism=mechanism or "band",
+                         repeats=repeats, threads=threads, device=device, dtype=dtype)
+    console.print(format_markdown(rows), markup=False)
+    _plot_bench(rows, plot_path)
+
+
+def bench_speed(
+    mechanisms: Annotated[str | None, typer.Option(
+        help="Comma-separated names or specs (default: every registered mechanism; peers "
+             "may be added: hf_longformer, hf_bigbird, hf_nystromformer, hf_reformer_lsh, "
+             "flex_band, flex_longformer).")] = None,
+    n: Annotated[str, typer.Option(help="Comma-separated lengths.")] = (
+        "512,1024,2048,4096,8192,16384"),
+    repeats: int = 3,
+    threads: Annotated[int, typer.Option(help="torch threads per measurement.")] = 1,
+    out: Annotated[str, typer.Option(help="Output folder (rows.jsonl makes it resumable).")
+                   ] = "runs/bench/speed",
+    dense_max_n: Annotated[int, typer.Option(
+        help="Largest n for quadratic mechanisms (their n x n scores).")] = 4096,
+    fit_from: Annotated[int, typer.Option(help="Fit exponents over n >= this.")] = 2048,
+    device: Annotated[str, typer.Option(
+        help="cpu, or cuda (one process, the allocator's peak; sparse patterns on "
+             "FlexAttention).")] = "cpu",
+    dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "float32",
+) -> None:
+    """Every mechanism vs dense SDPA: time, peak memory, fitted exponents, chart (resumable)."""
+    folder_option("--out", Path(out))
+    _check_dtype(dtype)
+    at_least("--repeats", repeats)
+    at_least("--threads", threads)
+    lengths = positive_ints(n, "--n")
+    _check_device(device)
+    from .bench.suite import format_table, run_suite
+    from .core.spec import split_top
+
+    names = [m.strip() for m in split_top(mechanisms, ",") if m.strip()] if mechanisms else None
+    with user_errors():
+        results = run_suite(out, names, lengths, repeats=repeats,
+                            threads=threads, dense_max_n=dense_max_n, fit_from=fit_from,
+                            device=device, dtype=dtype)
+    console.print(format_table(results), markup=False)
+    console.print(f"saved {out}/results.json, {out}/table.md"
+                  + (f", {out}/scaling.png" if Path(out, "scaling.png").is_file() else ""),
+                  markup=False, soft_wrap=True)
+
+
+def bench_jat(
+    lengths: Annotated[str, typer.Option(help="Comma-separated lengths.")] = "128,256,512,1024",
+    batch: int = 8,
+    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    naive_limit_gb: Annotated[float, typer.Option(
+        help="Skip the L^3 form where its estimated peak exceeds this.")] = 8.0,
+    plot: Annotated[str | None, typer.Option(help="Also draw the scaling curves to this PNG.")
+                    ] = None,
+    counter: Annotated[str, typer.Option(
+        help="Exact link counter: auto, pairs, enumerate, compare or direct.")] = "auto",
+) -> None:
+    """One layer of 6 JAT heads: efficient vs the official L^3 form, time and peak memory."""
+    plot_path = _plot_option(plot)
+    sizes = positive_ints(lengths, "--lengths")
+    at_least("--batch", batch)
+    from .bench.jat import COUNTERS, format_markdown
+    from .bench.jat import bench_jat as run_bench
+
+    if counter not in COUNTERS:
+        fail(f"--counter {counter}: use {', '.join(COUNTERS[:-1])} or {COUNTERS[-1]}")
+    _check_device(device)
+    rows = run_bench(lengths=sizes, batch=batch, device=device,
+                     naive_limit_gb=naive_limit_gb, counter=counter)
+    console.print(format_markdown(rows), markup=False)
+    _plot_bench(rows, plot_path)
+
+
+def _plot_option(plot: str | None) -> Path | None:
+    """``--plot``: a file path (``file_option``) in a format matplotlib writes, checked
+    before any work."""
+    if not plot:
+        return None
+    path = file_option("--plot", Path(plot))
+    from matplotlib.backend_bases import FigureCanvasBase  # imported on use: CLI start-up
+
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if path.suffix.lstrip(".").lower() not in formats:
+        fail(f"--plot {plot}: give a file name ending in .png (or another image format: "
+             f"{', '.join('.' + f for f in sorted(formats) if f != 'png')})")
+    return path
+
+
+def _plot_bench(rows: list[dict[str, Any]], plot: Path | None) -> None:
+    if plot:
+        from .bench.plots import env_title, scaling_plot
+        from .bench.speed import environment
+
+        console.print(f"saved {scaling_plot(rows, plot, title=env_title(environment()))}",
+                      markup=False, soft_wrap=True)
+
+
+def _check_dtype(dtype: str) -> None:
+    if dtype not in ("float32", "bfloat16"):
+        fail(f"--dtype {dtype}: use float32 or bfloat16")
+
+
+def _check_device(device: str) -> None:
+    import torch
+
+    if device not in ("cpu", "cuda"):
+        fail(f"unknown device {device!r}: use cpu or cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        fail("--device cuda: this torch sees no CUDA GPU; use --device cpu")
 
 
 def bench_lra(
@@ -62,6 +207,8 @@ def bench_lra(
                           ] = False,
 ) -> None:
     """A Long Range Arena of our own: accuracy, speed and memory vs softmax (resumable)."""
+    folder_option("--out", out)
+    at_least("--seeds", seeds)
     from .core.spec import split_top
 
     names = [m.strip() for m in split_top(mechanisms, ",") if m.strip()] if mechanisms else None
@@ -81,8 +228,11 @@ def bench_lra(
                           notify=lambda line: console.print(line, markup=False),
                           speed_only=speed_only, baseline=baseline)
     console.print(format_table(results), markup=False, soft_wrap=True)
-    console.print(f"saved {out}/lra.md, {out}/lra.json, {out}/lra.png ({out}/rows.jsonl: "
-                  "finished cells, reused on the next run)", markup=False, soft_wrap=True)
+    png = (f", {out}/lra.png" if (out / "lra.png").is_file() else
+           " (no lra.png: no mechanism has both " + ("ratios" if speed_only else
+                                                     "an average accuracy and a speed") + ")")
+    console.print(f"saved {out}/lra.md, {out}/lra.json{png} ({out}/rows.jsonl: finished "
+                  "cells, reused on the next run)", markup=False, soft_wrap=True)
 
 
 def bench_record(
@@ -101,6 +251,7 @@ def bench_record(
                       ] = Path("docs/benchmarks.md"),
 ) -> None:
     """docs/benchmarks.md regenerated by one command: run what is missing, then render."""
+    file_option("--output", output)
     from .bench.record import RecordError, record
 
     with user_errors(RecordError):

@@ -33,18 +33,21 @@ import argparse
 import json
 import sys
 import time
-from typing import Any
+from typing import Any, get_args
 
 import torch
 
 from ..core import AttnContext, HeadDims, build_mechanism
-from ..mechanisms.jat import key_length, link_census
+from ..mechanisms.jat import AdjacencyMethod, key_length, link_census
 from .speed import DevicePeak, environment, print_results, run_child
 
 # Peak of the official get_attn_adj per element of its [b, h, n, n, n] tensor: measured
 # 774 MB for 100.7 M elements (n = 128, b = 8, h = 6), i.e. ~7.7 bytes (a float32 result and
 # its quotient briefly alive together, plus bool masks).
 _NAIVE_BYTES = 8
+# The efficient form's exact link counters (``jat(adjacency=...)`` without "naive", which is
+# the official n^3 form this bench compares against).
+COUNTERS: tuple[str, ...] = tuple(m for m in get_args(AdjacencyMethod) if m != "naive")
 
 
 def naive_peak_gb(n: int, batch: int, heads: int) -> float:
@@ -158,6 +161,8 @@ def bench_jat(
     fwd_speedup / fwdbwd_speedup / mem_ratio against the naive form at the same n (None
     when the naive form was skipped).
     """
+    if counter not in COUNTERS:  # refused before any subprocess runs
+        raise ValueError(f"unknown counter {counter!r}; use {', '.join(COUNTERS)}")
     common = dict(batch=batch, heads=jat_heads, head_dim=head_dim, repeats=repeats, rho=rho,
                   scale=scale, threads=threads, device=device, counter=counter)
     rows: list[dict[str, Any]] = []
@@ -230,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--counter", default="auto",
-                    choices=["auto", "pairs", "enumerate", "compare", "direct"],
+                    choices=COUNTERS,
                     help="exact link counter of the efficient form (auto: by device, n and "
                          "the links)")
     ap.add_argument("--json", default=None, help="also write the rows to this JSON file")

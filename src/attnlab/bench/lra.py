@@ -27,8 +27,11 @@ identified by its kind, mechanism, task, seed and length plus the settings that 
 result (steps, batch size, evaluation size, learning rate, device; for speed cells the
 repeats and threads); rows of other settings stay in the file but are not reused. A cell
 that fails is recorded with its error and does not stop the others (delete its line to
-retry it). At the end: ``lra.json`` (settings, environment, the summary and every row),
-``lra.md`` (the table) and ``lra.png`` (accuracy against speed, memory as marker size).
+retry it). The data of every task still to train is made before any cell runs, so a data
+error (no SST-2 under ``data_dir``) stops the run with nothing written. At the end:
+``lra.json`` (settings, environment, the summary and every row), ``lra.md`` (the table) and
+``lra.png`` (accuracy against speed, memory as marker size; none when no mechanism has the
+two).
 """
 
 from __future__ import annotations
@@ -70,6 +73,10 @@ class LraSettings:
                             ("--eval-size", self.eval_size), ("--repeats", self.repeats)):
             if value < 1:
                 raise ValueError(f"{flag} {value}: give 1 or more")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"--threads {self.threads}: give 1 or more")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"--lr {self.lr:g}: give a learning rate above 0, e.g. --lr 1e-3")
         if self.length < 16:
             raise ValueError(f"--length {self.length} is too short; give 16 or more")
         if self.device not in ("cpu", "cuda"):
@@ -194,7 +201,6 @@ def run_lra(
     for s in skipped:
         (notify or (lambda line: None))(f"skipped {s['mechanism']}: {s['reason']}")
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     log = out / "rows.jsonl"
     done = {_row_key(r): r for r in read_rows(log)}
     jobs: list[tuple] = []
@@ -203,7 +209,13 @@ def run_lra(
         jobs += [("train", spec, task, seed) for task in tasks for seed in seeds]
     key = {j: _row_key(_identity(j, settings)) for j in jobs}
     todo = [j for j in jobs if key[j] not in done]
-    data: dict[str, BenchData] = {}
+    # the data of every task still to train, before anything is measured or written: data
+    # errors (e.g. no SST-2 under data_dir) are the user's, and leave nothing on disk
+    data: dict[str, BenchData] = {
+        task: bench_data(task, settings.length, settings.steps * settings.batch_size,
+                         settings.eval_size, settings.data_dir)
+        for task in dict.fromkeys(j[2] for j in todo if j[0] == "train")}
+    out.mkdir(parents=True, exist_ok=True)
 
     def run_cell(job: tuple, step: Callable[[], None]) -> dict[str, Any]:
         kind, spec, task, seed = job
@@ -214,9 +226,6 @@ def run_lra(
                                           device=s.device, threads=s.threads)}
             except RuntimeError as e:  # a failing mechanism does not stop the table
                 return {**base, "error": _error(e)}
-        if task not in data:  # data errors (e.g. no SST-2) stop the run: they are the user's
-            data[task] = bench_data(task, s.length, s.steps * s.batch_size, s.eval_size,
-                                    s.data_dir)
         d = data[task]
         try:
             model = build_model(spec, d.task.head, d.task.num_labels, len(d.tokenizer),
@@ -270,7 +279,10 @@ def run_lra(
     }
     write_json(out / "lra.json", results)
     atomic_write(out / "lra.md", format_table(results))
-    (cost_plot if speed_only else scatter_plot)(results, out / "lra.png")
+    if (cost_plot if speed_only else scatter_plot)(results, out / "lra.png") is None:
+        # nothing to plot (e.g. every cell failed): no lra.png of an earlier run stays
+        # beside this run's lra.json and lra.md as if it were this run's
+        (out / "lra.png").unlink(missing_ok=True)
     return results
 
 

@@ -59,6 +59,21 @@ def _spec(mechanism: str, window: int) -> str:
     return f"{mechanism}(window={window})" if "window" in fields else mechanism
 
 
+def check_method(method: str) -> None:
+    """RegistryError naming what is wrong with a method of the run: an unknown mechanism or
+    peer, an unknown parameter or an invalid value."""
+    from ..core import RegistryError, resolve_config
+    from .peers import peer_params
+
+    if is_peer(method):
+        try:
+            peer_params(method)
+        except ValueError as e:
+            raise RegistryError(str(e)) from None
+    elif method != SDPA:
+        resolve_config(method)
+
+
 def measure(
     method: str, n: int, heads: int = 12, head_dim: int = 64, batch: int = 1, repeats: int = 3,
     threads: int | None = None, part: str = "time", device: str = "cpu",
@@ -275,7 +290,9 @@ def bench_sparse(
     mem_ratio (method peak / SDPA peak), all against SDPA at the same n in this run.
     """
     names = [mechanism] if isinstance(mechanism, str) else list(mechanism)
-    specs = [_spec(name, window) for name in names]
+    specs = [_spec(name, window) for name in names]  # an unknown name: RegistryError
+    for spec in specs:  # a bad spec is refused before anything runs (RegistryError)
+        check_method(spec)
     jobs = [(n, method) for n in ns for method in (SDPA, *specs)]
     rows: list[dict[str, Any]] = []
     common = dict(heads=heads, head_dim=head_dim, batch=batch, repeats=repeats, threads=threads,

@@ -39,8 +39,15 @@ from rich.progress import Progress
 
 from ..core import list_mechanisms, mechanism_class
 from ..io import append_jsonl, atomic_write, read_jsonl, write_json
-from .peers import is_peer, ours_for, peer_params
-from .speed import SDPA, add_ratios, environment, measure_isolated, run_child
+from .peers import is_peer, ours_for
+from .speed import (
+    SDPA,
+    add_ratios,
+    check_method,
+    environment,
+    measure_isolated,
+    run_child,
+)
 
 DEFAULT_NS = (512, 1024, 2048, 4096, 8192, 16384)
 PAIRED_ROUNDS = 9  # alternated rounds of the global-token target's paired timing
@@ -189,20 +196,6 @@ def summarise(rows: list[dict[str, Any]], fit_from: int) -> dict[str, Any]:
                if r["method"] == method and "error" not in r and r["n"] >= fit_from]
         exponents[method] = fit_exponent(pts)
     return {"rows": out_rows, "exponents": exponents}
-
-
-def check_method(method: str) -> None:
-    """RegistryError naming what is wrong with a method of the run: an unknown mechanism or
-    peer, an unknown parameter or an invalid value."""
-    from ..core import RegistryError, resolve_config
-
-    if is_peer(method):
-        try:
-            peer_params(method)
-        except ValueError as e:
-            raise RegistryError(str(e)) from None
-    elif method != SDPA:
-        resolve_config(method)
 
 
 def _config(method: str):

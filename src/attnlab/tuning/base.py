@@ -433,7 +433,7 @@ def load_tuned_file(model: nn.Module, tuner: Tuner, path: str | os.PathLike) -> 
         with safe_open(str(path), framework="pt") as f:
             saved = (f.metadata() or {}).get("attnlab_tuner")
     except SafetensorError as e:
-        raise DataFormatError(path, None, f"not a readable safetensors file ({e}); run the "
+        raise DataFormatError(str(path), None, f"not a readable safetensors file ({e}); run the "
                               "training again, or copy the file anew") from None
     if saved is not None and saved != tuner.name:
         raise ValueError(f"{path} holds weights of tuner {saved!r}, not {tuner.name!r}")
