@@ -92,8 +92,23 @@ def test_uniform_is_heterogeneous_and_ties_are_split():
     # a uniform row's argmax vote is split over all N keys: 2 of them are special
     assert s["vertical"].item() == pytest.approx(2 / N)
     assert s["entropy"].item() == pytest.approx(math.log(N), rel=1e-5)
-    assert s["vertical_pasta"].item() == 0.0
+    # PASTA's is_vertical takes each row's first maximum (argmax): a uniform map's rows all
+    # point at position 0, so PASTA's rule calls it vertical; the classes do not use it
+    assert s["vertical_pasta"].item() == 1.0
     assert classify_heads(s) == [["heterogeneous"]]
+
+
+def test_vertical_pasta_counts_a_tie_with_position_zero_as_pasta_does():
+    p = torch.zeros(N, N)
+    p[:, 0] = 0.5
+    p[torch.arange(N), (torch.arange(N) + 3) % N] += 0.5  # a word ties with [CLS] (or adds)
+    s = score_heads(as_maps(p), [single()])
+    assert s["vertical_pasta"].item() == 1.0
+    q = torch.zeros(N, N)
+    q[:, 4] = 0.5  # word first, then position 0: argmax is the word for every row
+    q[:, 0] = 0.4
+    q[:, 5] = 0.1
+    assert score_heads(as_maps(q), [single()])["vertical_pasta"].item() == 0.0
 
 
 def test_half_vertical_half_diagonal():
@@ -169,7 +184,7 @@ def test_vertical_pasta_cutoff():
     assert lo.item() == 1.0
     assert score_heads(maps, info, ["vertical_pasta(cutoff=0.71)"]).popitem()[1].item() == 0.0
     # share of examples: one vertical example of two
-    maps2 = torch.cat([maps, as_maps(torch.full((N, N), 1.0 / N))], dim=1)
+    maps2 = torch.cat([maps, as_maps(one_hot_rows([4] * N, N))], dim=1)
     s = score_heads(maps2, [single(), single()], ["vertical_pasta(cutoff=0.7)"])
     assert s["vertical_pasta(cutoff=0.7)"].item() == 0.5
     with pytest.raises(RegistryError, match="cutoff"):

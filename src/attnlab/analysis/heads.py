@@ -134,8 +134,10 @@ class VerticalTLM:
 class VerticalPASTA:
     """Share of examples where >= cutoff of rows have their argmax at 0 or the last real token.
 
-    The PASTA code's ``is_vertical`` (count >= n * cutoff), with a 1e-6 slack so that float
-    products such as 0.7 * 10 = 7.000000000000001 do not flip the comparison.
+    The PASTA code's ``is_vertical`` (``plot_attentions.py``: count >= n * cutoff), with a
+    1e-6 slack so that float products such as 0.7 * 10 = 7.000000000000001 do not flip the
+    comparison. A row's argmax is its first maximum, as that code's ``argmax`` takes it (a
+    row tied between position 0 and a word counts; the other scores split tied votes).
     """
 
     name: ClassVar[str] = "vertical_pasta"
@@ -146,9 +148,8 @@ class VerticalPASTA:
             raise ValueError(f"vertical_pasta cutoff must be in [0, 1], got {self.cutoff}")
 
     def __call__(self, view: HeadView) -> Tensor:
-        ends = torch.zeros(view.n, dtype=torch.bool)
-        ends[[0, view.n - 1]] = True
-        count = view.row_share(ends) * view.n  # [h] rows pointing at an end
+        first = view.p.argmax(-1)  # [h, n]: each row's first maximum
+        count = ((first == 0) | (first == view.n - 1)).sum(-1)  # [h] rows pointing at an end
         return (count >= self.cutoff * view.n - 1e-6).to(view.p.dtype)
 
 

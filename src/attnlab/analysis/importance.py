@@ -16,9 +16,10 @@ and answer spans; labelled tokens of i / labelled tokens of the batch for token-
 token has no loss and is left out. Cost: one forward and backward per batch; no parameter
 gradient is kept (``torch.autograd.grad`` with respect to the mask only).
 
-Deviation / choice, documented: the authors' script (``run_bertology.py`` in transformers'
-research projects) accumulates |gradient of each *batch* loss| and divides by the token count,
-so gradients of opposite sign cancel inside a batch; this module follows the paper's
+Deviation / choice, documented: Hugging Face's script (``run_bertology.py`` in transformers'
+research projects, not the paper's authors' code) accumulates |gradient of each *batch*
+loss| and divides by the token count, so gradients of opposite sign cancel inside a batch;
+this module follows the paper's
 per-example expectation instead. Like that script by default, the importance is then
 normalised per layer by the l2 norm over the layer's heads (``I_lh / ||I_l||_2``), which the
 paper reports helps pruning across layers; ``normalize=False`` keeps the raw values, and both
@@ -87,7 +88,7 @@ def example_weights(batch: Mapping[str, Tensor]) -> Tensor:
 def layer_normalize(raw: Tensor) -> Tensor:
     """Each layer's row divided by its l2 norm over heads (a zero row stays zero)."""
     norm = raw.pow(2).sum(-1, keepdim=True).sqrt()  # [L, 1]
-    return raw / (norm + 1e-20)  # the 1e-20 of the authors' script: 0 / 0 -> 0
+    return raw / (norm + 1e-20)  # the 1e-20 of run_bertology.py: 0 / 0 -> 0
 
 
 def _mask_dtype(model: nn.Module) -> torch.dtype:
