@@ -96,3 +96,17 @@ def test_prefix_tuning_accepts_plans_without_token_keyed_mechanisms():
     model = tuner.apply(model, cfg, task=TaskInfo(kind="pair")).eval()
     batch = bert_pair_batch()
     assert torch.isfinite(model(**batch).logits).all()
+
+
+@pytest.mark.parametrize("name", ["bitfit", "pasta", "adapter"])
+def test_weights_a_plan_adds_stay_frozen_under_partial_tuners(name):
+    """docs/decisions.md: weights that an attention plan adds stay frozen under pasta, bitfit
+    and adapter; sac's projections have biases, which bitfit's name rule alone would pick."""
+    model = make_bert()
+    surgery.apply_plan(model, [{"layers": "all", "heads": "all", "mechanism": "sac"}])
+    added = [n for n, _ in model.named_parameters() if ".attnlab." in n]
+    assert any(n.endswith(".bias") for n in added)
+    tuner, cfg = resolve_tuning(name)
+    model = tuner.apply(model, cfg, task=TaskInfo(kind="pair"))
+    trained = {n for n, _ in tuner.trainable_parameters(model)}
+    assert trained and not trained & set(added)

@@ -27,13 +27,14 @@ How: ``torch.nn.utils.parametrize`` registers ``DiffParametrization`` on every b
 parameter, so ``module.weight`` is recomputed from theta_0 (``parametrizations.<p>.original``)
 on each access and the modelling code is untouched.
 
-Defaults follow the task brief's Louizos constants (beta 2/3, gamma -0.1, zeta 1.1). The
-official scripts instead use beta 1, gamma -1.5, zeta 1.5, log_alpha init 5, lambda
-1.25e-7, lr 1e-5 for 3 epochs with log_alpha in its own AdamW at lr 0.1 (``alpha_lr``, the
-default here too), then 3 epochs with the mask fixed at their script's default lr 5e-5
-(``mask_lr``): ``diff_prune(beta=1.0, gamma=-1.5, zeta=1.5, mask_lr=5e-5)`` with
-``optim.lr=1e-5`` reproduces that recipe. Not implemented: the paper's structured (group)
-penalty.
+Defaults are the hard-concrete constants of Louizos, Welling, Kingma, "Learning Sparse
+Neural Networks through L0 Regularization", ICLR 2018 (beta 2/3, gamma -0.1, zeta 1.1). The
+Diff-Prune scripts (dguo98/DiffPruning) instead use beta 1, gamma -1.5, zeta 1.5, log_alpha
+init 5, lambda 1.25e-7, lr 1e-5 for 3 epochs with log_alpha in its own AdamW at lr 0.1
+(``alpha_lr``, the default here too), then 3 epochs with the mask fixed at their script's
+default lr 5e-5 (``mask_lr``): ``diff_prune(beta=1.0, gamma=-1.5, zeta=1.5, mask_lr=5e-5)``
+with ``optim.lr=1e-5`` reproduces that recipe. Not implemented: the paper's structured
+(group) penalty.
 """
 
 from __future__ import annotations
