@@ -51,11 +51,12 @@ def _sst2(root, dev_label="1"):
 
 
 @pytest.mark.parametrize("args,expect", [
-    (["recall", "--length", "7"], "input_seq_len must be even"),
-    (["recall", "--vocab-size", "10"], "vocab_size (10) must be larger"),
-    (["listops", "--max-depth", "0"], "max_depth >= 1"),
+    # the generators' argument names are given as the options the user typed
+    (["recall", "--length", "7"], "--length must be even"),
+    (["recall", "--vocab-size", "10"], "--vocab-size (10) must be larger than --length (64)"),
+    (["listops", "--max-depth", "0"], "--max-depth >= 1"),
     (["text", "--min-bytes", "50", "--max-bytes", "10", "--data-dir", "{sst}"],
-     "min_bytes <= max_bytes"),
+     "--min-bytes <= --max-bytes"),
     (["text", "--data-dir", "{bad_sst}"], "bad label '7'"),
 ])
 def test_bad_data_options_leave_no_out_folder(tmp_path, args, expect):

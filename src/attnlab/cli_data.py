@@ -15,6 +15,9 @@ are removed again (``attnlab.io.write_splits``, through the tasks' ``write_*``).
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
@@ -29,6 +32,19 @@ from .tasks import recall as rc
 app = typer.Typer(help="Prepare datasets that cannot be shipped.", no_args_is_help=True,
                   pretty_exceptions_show_locals=False)
 console = Console()
+
+
+@contextmanager
+def _as_options(**options: str) -> Iterator[None]:
+    """A generator's ValueError in the words of the command line: its argument names
+    (``input_seq_len``) replaced by the options that set them (``--length``)."""
+    try:
+        yield
+    except ValueError as e:
+        text = str(e)
+        for arg, option in options.items():
+            text = re.sub(rf"\b{arg}\b", option, text)
+        raise ValueError(text) from None
 
 
 @app.command("listops")
@@ -47,7 +63,10 @@ def listops(
 ) -> None:
     """Generate the LRA ListOps TSVs (defaults: LRA's; full size: ~2-3 min, 0.7 GB)."""
     out = folder_option("--out", out.expanduser())
-    with user_errors(ValueError, RuntimeError, OSError):
+    with user_errors(ValueError, RuntimeError, OSError), _as_options(
+            num_train="--num-train", num_valid="--num-valid", num_test="--num-test",
+            max_depth="--max-depth", max_args="--max-args", min_length="--min-length",
+            max_length="--max-length"):
         paths = lo.write_listops(
             out, num_train=num_train, num_valid=num_valid, num_test=num_test,
             max_depth=max_depth, max_args=max_args, min_length=min_length,
@@ -92,7 +111,10 @@ def recall(
 ) -> None:
     """Generate multi-query associative recall (Zoology's MQAR; defaults: Zoology's)."""
     out = folder_option("--out", out.expanduser())
-    with user_errors(ValueError, OSError):
+    with user_errors(ValueError, OSError), _as_options(
+            num_train="--num-train", num_dev="--num-dev", num_test="--num-test",
+            vocab_size="--vocab-size", input_seq_len="--length", num_kv_pairs="--num-kv-pairs",
+            power_a="--power-a"):
         paths = rc.write_recall(
             out, num_train=num_train, num_dev=num_dev, num_test=num_test,
             vocab_size=vocab_size, input_seq_len=length, num_kv_pairs=num_kv_pairs,
@@ -118,7 +140,9 @@ def text(
 ) -> None:
     """Generate byte-level documents from SST-2, labelled by their one marked sentence."""
     out = folder_option("--out", out.expanduser())
-    with user_errors(ValueError, OSError):
+    with user_errors(ValueError, OSError), _as_options(
+            num_train="--num-train", num_dev="--num-dev", min_bytes="--min-bytes",
+            max_bytes="--max-bytes"):
         paths = bt.write_text(out, data_dir, num_train=num_train, num_dev=num_dev,
                               min_bytes=min_bytes, max_bytes=max_bytes, seed=seed)
     _written(f"byte-level text from SST-2, seed {seed}, {min_bytes}-{max_bytes} bytes:", paths,
