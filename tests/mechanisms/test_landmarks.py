@@ -96,7 +96,7 @@ def naive_csalr(q, k, v, num, eps, key_mask=None):
     out = torch.zeros_like(v)
     for (bi, hi), (k1, m, k3) in kern.items():
         inv = torch.linalg.inv(m.double() + eps * torch.eye(m.shape[0], dtype=torch.float64))
-        out[bi, hi] = (k1.double() @ inv @ k3.double() @ v[bi, hi].double()).float()
+        out[bi, hi] = (k1.double() @ inv @ k3.double() @ v[bi, hi].double()).to(v.dtype)
     return out
 
 
@@ -220,6 +220,19 @@ def test_nystrom_conv_init_is_seeded_and_trains():
     a.train()(q, k, v, attnlab.AttnContext()).out.square().sum().backward()
     assert a.conv.weight.grad.abs().sum() > 0
     assert [n for n, _ in build("nystrom").named_parameters()] == []  # no conv, no params
+
+
+@pytest.mark.parametrize("spec", ["nystrom(num_landmarks=4, pinv_init='exact')",
+                                  "csalr(num_landmarks=4, eps=0.3)"])
+def test_float64_inputs_stay_float64(spec):
+    """Only 16-bit inputs are widened (to fp32) for the pseudo-inverse and the solve: float64
+    inputs keep their precision and match the float64 references to 1e-12."""
+    q, k, v = (t.double() for t in rand(2, 19, seed=5))
+    out = build(spec).double()(q, k, v, attnlab.AttnContext()).out
+    ref = (naive_nystrom(q, k, v, 4, 6, None, "exact") if spec.startswith("nystrom")
+           else naive_csalr(q, k, v, 4, 0.3))
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-12)
 
 
 # ------------------------------------------------------------------------------------- csalr

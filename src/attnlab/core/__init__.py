@@ -11,7 +11,7 @@ from .protocol import (
     check_qkv,
     require,
 )
-from .reference import causal_mask, masked_softmax, reference_attention
+from .reference import accumulation_dtype, causal_mask, masked_softmax, reference_attention
 from .registry import (
     MECHANISMS,
     Registry,
@@ -46,6 +46,7 @@ __all__ = [
     "MechanismConfig",
     "Registry",
     "RegistryError",
+    "accumulation_dtype",
     "build_mechanism",
     "causal_mask",
     "check_qkv",

@@ -60,3 +60,9 @@ def causal_mask(n: int, m: int, device: torch.device | None = None) -> torch.Ten
     i = torch.arange(n, device=device)[:, None] + (m - n)
     j = torch.arange(m, device=device)[None, :]
     return j <= i
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype to compute sums over a sequence in: fp32 for 16-bit floats (which lose too
+    much in them), else ``dtype`` itself (float64 stays float64)."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype

@@ -20,6 +20,7 @@ from ..core import (
     Capabilities,
     HeadDims,
     MechanismConfig,
+    accumulation_dtype,
     check_qkv,
     masked_softmax,
     register_mechanism,
@@ -292,7 +293,7 @@ class LSH(nn.Module):
                 f"are the queries), got {n} queries and {v.shape[2]} keys"
             )
         dtype = q.dtype
-        work = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+        work = accumulation_dtype(dtype)
 
         def attend(qg, vg, rot):  # a group of heads: [b,g,n,d], [g,d,r,buckets/2]
             return lsh_attention(
@@ -507,7 +508,7 @@ class Routing(nn.Module):
             )
         d = q.shape[3]
         dtype = q.dtype
-        work = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+        work = accumulation_dtype(dtype)
         qw, kw, vw = q.to(work), k.to(work), v.to(work)
         out, probs = routing_attention(
             qw, kw, vw, self.centroids.to(work), window=self.cfg.window,

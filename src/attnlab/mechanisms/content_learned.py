@@ -20,6 +20,7 @@ from ..core import (
     Capabilities,
     HeadDims,
     MechanismConfig,
+    accumulation_dtype,
     causal_mask,
     check_qkv,
     masked_softmax,
@@ -208,7 +209,7 @@ class SAC(nn.Module):
     def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
         check_qkv(q, k, v, self.dims)
         dtype = q.dtype
-        work = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+        work = accumulation_dtype(dtype)
         qw, kw, vw = q.to(work), k.to(work), v.to(work)
         if not ctx.need_weights:
             return AttnOutput(self.sparse_forward(qw, kw, vw, ctx).to(dtype))

@@ -36,6 +36,7 @@ from ..core import (
     Capabilities,
     HeadDims,
     MechanismConfig,
+    accumulation_dtype,
     check_qkv,
     masked_softmax,
     reference_attention,
@@ -174,8 +175,9 @@ def nystrom_attention(q, k, v, num_landmarks: int, pinv_iterations: int, scale: 
     heads at a time (core.slicing), which gives the same result."""
     q, k, ql, kl = _landmarks(q, k, num_landmarks, scale, keep)
     k2 = torch.softmax(ql @ kl.transpose(-1, -2), dim=-1)  # M [b,h,L,L]
-    # 16-bit inputs: the pseudo-inverse iteration runs in fp32
-    z = iterative_pinv(k2.float(), pinv_iterations, pinv_init).to(k2.dtype)  # [b,h,L,L]
+    # 16-bit inputs: the pseudo-inverse iteration runs in fp32 (float64 stays float64)
+    z = iterative_pinv(k2.to(accumulation_dtype(k2.dtype)), pinv_iterations,
+                       pinv_init).to(k2.dtype)  # [b,h,L,L]
 
     def heads(q, k, v, ql, kl, z) -> AttnOutput:
         k1, k3 = _side_kernels(q, k, ql, kl, scale, keep)  # [b,g,n,L], [b,g,L,m]
@@ -312,18 +314,19 @@ class CSALR(nn.Module):
         num = min(self.cfg.num_landmarks, q.shape[2])
         keep = _key_keep(ctx)
         scale = ctx.scale_for(q.shape[-1])
-        eye = torch.eye(num, dtype=torch.float32, device=q.device)  # [L,L]
+        eye = torch.eye(num, dtype=accumulation_dtype(q.dtype), device=q.device)  # [L,L]
         need_weights, eps = ctx.need_weights, self.cfg.eps
 
         def heads(q, k, v) -> AttnOutput:  # heads are independent: a few at a time
             q, k, ql, kl = _landmarks(q, k, num, scale, keep)
             k1, k3 = _side_kernels(q, k, ql, kl, scale, keep)  # [b,g,n,L], [b,g,L,m]
             k2 = torch.softmax(ql @ kl.transpose(-1, -2), dim=-1)  # M [b,g,L,L]
-            reg = k2.float() + eps * eye  # M + eps I [b,g,L,L]
-            x = torch.linalg.solve(reg, (k3 @ v).float()).to(v.dtype)  # [b,g,L,dv]
+            wide = accumulation_dtype(k2.dtype)  # fp32 for 16-bit inputs, else their own
+            reg = k2.to(wide) + eps * eye  # M + eps I [b,g,L,L]
+            x = torch.linalg.solve(reg, (k3 @ v).to(wide)).to(v.dtype)  # [b,g,L,dv]
             probs = None
             if need_weights:
-                coef = torch.linalg.solve(reg, k3.float(), left=True).to(k3.dtype)  # [b,g,L,m]
+                coef = torch.linalg.solve(reg, k3.to(wide), left=True).to(k3.dtype)  # [b,g,L,m]
                 probs = k1 @ coef  # [b,g,n,m]
             return AttnOutput(k1 @ x, probs)  # out [b,g,n,dv]
 

@@ -28,6 +28,7 @@ from ..core import (
     Capabilities,
     HeadDims,
     MechanismConfig,
+    accumulation_dtype,
     check_qkv,
     masked_softmax,
     register_mechanism,
@@ -69,7 +70,7 @@ class DrawStreams:
 
 def _work(*ts: torch.Tensor) -> list[torch.Tensor]:
     """16-bit inputs are computed in fp32."""
-    return [t.float() if t.dtype in (torch.float16, torch.bfloat16) else t for t in ts]
+    return [t.to(accumulation_dtype(t.dtype)) for t in ts]
 
 
 def _valid(

@@ -27,7 +27,12 @@ delimiter, so rows end in ``\\r\\n``)::
 Glossary: ``Tree = int | (operator, (child, ...))``, e.g. ``("[MAX", (2, 9))``; flat tokens:
 the Source without parentheses, ``[MAX 2 9 ]``; a tree's length = its number of flat tokens.
 
-Tokenization (as LRA models, parentheses are dropped): each flat token becomes ONE id of the
+Tokenization: parentheses are dropped, as in LRA's models; the closing bracket ``]`` is kept
+as a token. LRA's input pipeline (``lra_benchmarks/listops/input_pipeline.py``: tfds'
+``Tokenizer()``, alphanumeric tokens only) drops ``]`` as well, so its models see operators
+and digits alone and must infer where each argument list ends; here ``]`` marks it, which
+makes the task easier and the sequences longer (one token per operator), so accuracies are
+not directly comparable with LRA's tables. Each flat token becomes ONE id of the
 Hugging Face BERT tokenizer's vocabulary, so the task runs with the embedded MiniLM tokenizer
 and with ``scratch:SIZE`` models (same uncased vocabulary of 30,522):
 
