@@ -134,3 +134,11 @@ def test_perplexity():
     assert out["perplexity"] == pytest.approx(4.0, abs=1e-9)
     with pytest.raises(ValueError, match="no masked tokens"):
         M.perplexity(0.0, 0)
+
+
+@pytest.mark.parametrize("version", ["1.1", "2.0"])
+def test_a_question_without_a_prediction_scores_zero(version):
+    # the official scripts: an unanswered question gets 0, even when a gold answer
+    # normalises to the empty string (SQuAD v1.1 dev has three answers ".")
+    scores = M.squad_scores({"a": "x"}, {"a": ["x"], "q": ["."]}, version=version)
+    assert scores["exact_match"] == pytest.approx(50.0) and scores["f1"] == pytest.approx(50.0)

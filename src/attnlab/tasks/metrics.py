@@ -165,9 +165,12 @@ def squad_scores(
     em, f1, has = {}, {}, {}
     for qid, answers in gold_answers.items():
         golds = _gold_list(answers, version)
-        pred = predictions.get(qid, "")
-        em[qid] = max(squad_exact(pred, g) for g in golds)
-        f1[qid] = max(squad_f1(pred, g, version) for g in golds)
+        if qid not in predictions:  # the official scripts give it 0 (not the empty answer's
+            em[qid] = f1[qid] = 0.0  # score, which matches a gold that normalises to "")
+        else:
+            pred = predictions[qid]
+            em[qid] = max(squad_exact(pred, g) for g in golds)
+            f1[qid] = max(squad_f1(pred, g, version) for g in golds)
         has[qid] = bool(golds[0]) if version == "2.0" else True
     out = {"exact_match": 100 * _mean(em.values()), "f1": 100 * _mean(f1.values())}
     if version == "2.0":
