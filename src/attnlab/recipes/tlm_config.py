@@ -48,7 +48,7 @@ class RetrievalSection:
     k: int | None = None  # K neighbours per task example (None: default_k, 50/500/5000)
     k1: float = 1.2  # BM25 k1 (Elasticsearch's default; the paper used Elasticsearch)
     b: float = 0.75  # BM25 b (Elasticsearch's default)
-    passage_tokens: int = 128  # passage length cap when splitting the corpus
+    passage_tokens: int = 128  # passage cap in whitespace words (tlm.retrieve.split_passages)
     random_count: int | None = None  # external=random: passages (None: as many as BM25's)
 
 
@@ -57,7 +57,9 @@ class Stage1Section:
     """Joint training from scratch. Defaults: the official small-scale ``train.sh``."""
 
     steps: int = 150_000  # optimizer steps (official 150K)
-    batch_size: int = 32  # examples per step (official 32 per GPU on 8 GPUs)
+    # examples per step and process (a global batch of 32 on one device): the official
+    # train.sh runs 32 per GPU on 8 GPUs, a global batch of 256 (set 256 on one device)
+    batch_size: int = 32
     rho1: int = 999  # ρ1: external batches per task batch (paper: 1 ... 1999)
     rho2: float = 20.0  # ρ2: L_mlm weight in task batches (paper: 20, 100, 1000)
     lr: float = 1e-4  # peak learning rate (AdamW)
@@ -73,7 +75,9 @@ class Stage1Section:
 class Stage2Section:
     """Fine-tuning with the task head re-initialised. Defaults: the official ``finetune.sh``."""
 
-    batch_size: int = 32  # official 4 per GPU on 8 GPUs
+    # examples per step and process: the official finetune.sh runs 4 per GPU on 8 GPUs, a
+    # global batch of 32, which this default gives on one device
+    batch_size: int = 32
     epochs: float = 3.0  # used when max_steps is None
     max_steps: int | None = 30_000  # official 30K
     lr: float = 2e-5  # peak learning rate

@@ -175,7 +175,10 @@ def read_corpus(path: str | Path) -> list[TextExample]:
 
 def split_passages(docs: Iterable[TextExample | str], max_tokens: int = 128) -> list[Passage]:
     """Cut documents into passages of at most ``max_tokens`` whitespace-separated words, of
-    near-equal size; passages without a BM25 term are dropped (module docstring)."""
+    near-equal size; passages without a BM25 term are dropped (module docstring). Words, not
+    the model's sub-word tokens: a passage of 128 words is usually longer than 128 WordPiece
+    tokens, so training at ``max_length`` 128 reads its beginning; pass a smaller
+    ``max_tokens`` (a TLM config's ``retrieval.passage_tokens``) to keep passages whole."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
     out: list[Passage] = []
