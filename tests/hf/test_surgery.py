@@ -329,3 +329,30 @@ def test_generic_decoder_with_grouped_kv_heads():
     apply_plan(model, "1:all:mqa")
     assert model.layers[1].self_attn.k_proj.out_features == 8
     assert torch.isfinite(model(input_ids=ids).last_hidden_state).all()
+
+
+@pytest.mark.parametrize("spec", ["collaborative", "mqa"])
+def test_a_wrapped_projection_is_refused_before_anything_changes(bert_factory, spec):
+    """Mechanisms that replace (collaborative) or shrink (mqa) the projections need plain
+    nn.Linear ones: a tuner's wrapper in a later layer is refused up front, the model as it
+    was (it had been half-converted, or lost the wrapper's parameters)."""
+    from torch import nn
+
+    class Wrapped(nn.Linear):  # stands in for a tuner's wrapper (peft's LoRA layer)
+        pass
+
+    model = bert_factory()
+    attn = model.encoder.layer[1].attention.self
+    for name in ("query", "key", "value"):
+        old = getattr(attn, name)
+        new = Wrapped(old.in_features, old.out_features)
+        new.load_state_dict(old.state_dict())
+        setattr(attn, name, new)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    impl = model.config._attn_implementation
+    with pytest.raises(SurgeryError, match="is not a plain nn.Linear"):
+        attnlab.apply_plan(model, f"all:all:{spec}")
+    assert model.config._attn_implementation == impl
+    after = model.state_dict()
+    assert after.keys() == before.keys()
+    assert all(torch.equal(after[k], v) for k, v in before.items())

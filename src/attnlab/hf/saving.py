@@ -19,8 +19,10 @@ registers how to add them again (:func:`register_rebuilder`); ``save_pretrained`
 those records to ``rebuild.json`` and ``load_pretrained`` replays them after the plan, before
 the strict weight load.
 
-A folder saved this way also opens with plain ``AutoModel.from_pretrained`` only if the plan
-adds no parameters and shrinks nothing; use :func:`load_pretrained` for the rest.
+Plain ``AutoModel.from_pretrained`` of such a folder does not know the plan: it loads the
+unmodified softmax model, silently for a plan without parameters, with transformers' report
+of unexpected keys for one with them, and fails with a size mismatch after a K/V shrink
+(``mqa``, ``gqa``). :func:`load_pretrained` is the way to load it.
 """
 
 from __future__ import annotations

@@ -234,6 +234,16 @@ def _check_module(plan: Plan, host: Host, layer: int, rule: int | None, mech: nn
     caps = cast(Capabilities, mech.caps)
     name = cast(MechanismConfig, mech.cfg).name
     where = f"{_rule_text(plan, rule)}, layer {layer}"
+    adopts = hasattr(mech, "adopt_projections")
+    if (adopts or caps.kv_heads is not None) and not host.fused:
+        wrapped = [p for p in host.proj
+                   if type(getattr(host.attention[layer], p)) is not nn.Linear]
+        if wrapped:  # a tuner's wrapper (peft LoRA) would be replaced, or half-converted
+            raise SurgeryError(
+                f"{where}: {name!r} {'replaces' if adopts else 'shrinks'} the projections, "
+                f"but {', '.join(map(repr, wrapped))} is not a plain nn.Linear (wrapped by "
+                "a tuner, or already changed); apply the plan to a freshly loaded model "
+                "before any tuner")
     if caps.kv_heads is None and caps.head_dims is None:
         return
     if caps.scope != "module":
