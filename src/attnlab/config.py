@@ -204,7 +204,8 @@ def read_yaml_mapping(path: Path, sections: str) -> dict[str, Any]:
     try:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
-        raise ConfigError(not_utf8(path, raw, e)) from None
+        line, what = not_utf8(raw, e)
+        raise ConfigError(f"{path}:{line}: {what}") from None
     try:
         data = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as e:

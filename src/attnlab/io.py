@@ -100,15 +100,14 @@ def append_jsonl(path: str | os.PathLike, record: Any, default: Callable | None 
         f.write(text.encode("utf-8"))
 
 
-def not_utf8(path: str | os.PathLike, data: bytes, err: UnicodeDecodeError,
-             first_line: int = 1) -> str:
-    """``file:line: byte 0x.. at column c is not UTF-8; save the file as UTF-8`` for the
-    decoding error ``err`` of ``data`` (a whole file, or one line of it numbered
-    ``first_line``)."""
+def not_utf8(data: bytes, err: UnicodeDecodeError, first_line: int = 1) -> tuple[int, str]:
+    """(line, ``byte 0x.. at column c is not UTF-8; save the file as UTF-8``) for the decoding
+    error ``err`` of ``data`` (a whole file, or one line of it numbered ``first_line``); the
+    caller names the file."""
     line = first_line + data.count(b"\n", 0, err.start)
     column = err.start - data.rfind(b"\n", 0, err.start)  # 1-based
-    return (f"{path}:{line}: byte {data[err.start]:#04x} at column {column} is not UTF-8; "
-            "save the file as UTF-8")
+    return line, (f"byte {data[err.start]:#04x} at column {column} is not UTF-8; save the "
+                  "file as UTF-8")
 
 
 def write_splits(out: str | os.PathLike, splits: Mapping[str, R], files: Mapping[str, str],

@@ -201,8 +201,7 @@ def read_lines(path: Path) -> Iterator[tuple[int, str]]:
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                message = not_utf8(path, raw, e, first_line=i).split(": ", 1)[1]
-                raise DataFormatError(path, i, message) from None
+                raise DataFormatError(path, *not_utf8(raw, e, first_line=i)) from None
             if line.endswith("\n"):
                 line = line[:-1]
             if line.endswith("\r"):
