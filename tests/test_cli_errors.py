@@ -34,6 +34,9 @@ def _error_line(res) -> str:
     ("unknown train split", "task.train_split=foo", "task.train_split: task 'cola' has no"),
     ("negative steps", "train.max_steps=-5", "train.max_steps must be >= 1, got -5"),
     ("negative learning rate", "optim.lr=-1", "optim.lr must be >= 0, got -1"),
+    # an analysis no rule needs is still checked: a typo is caught before the run
+    ("unknown analysis task", "analysis=task:colaa", "analysis 'task:colaa'"),
+    ("missing analysis file", "analysis={tmp}/none.json", "no such file or folder"),
 ])
 @pytest.mark.parametrize("command", ["validate", "run"])
 def test_one_line_errors_and_validate_agrees_with_run(tmp_path, command, case, override, expect):

@@ -50,7 +50,7 @@ from torch import Tensor
 from ..analysis import DEFAULT_SCORERS, HEAD_CLASSES, read_json
 from ..config import ConfigError, ExperimentConfig, computed_analysis
 from ..core import mechanism_class
-from ..core.spec import unknown_name
+from ..core.spec import RegistryError, unknown_name
 from ..hf.arch import inspect_model
 from ..hf.plan import HeadSelector, Plan, PlanError, Rule
 from ..models import model_config
@@ -304,14 +304,20 @@ def check_run_selectors(cfg: ExperimentConfig) -> Plan | None:
     selector rules when the analysis will be computed (which heads they get is known only
     then; their names and scopes are checked now)."""
     plan = Plan.parse(cfg.plan) if cfg.plan else None
+    task = None
+    if cfg.analysis is not None:  # checked even when no rule needs it: a typo is caught
+        try:
+            task = task_of(cfg.analysis, cfg.task.name)
+        except (ValueError, RegistryError) as e:
+            raise ConfigError(f"analysis {cfg.analysis!r}: {e}") from None
+        if task is None and not Path(cfg.analysis).expanduser().exists():
+            raise ConfigError(f"analysis {cfg.analysis!r}: no such file or folder; give a "
+                              "head_scores.json of `attnlab analyze heads` (or its folder), "
+                              "or task:NAME")
     if plan is None or not plan.selective:
         return plan
     if cfg.analysis is None:
         raise ConfigError(missing_analysis(plan))
-    try:
-        task = task_of(cfg.analysis, cfg.task.name)
-    except ValueError as e:
-        raise ConfigError(f"analysis {cfg.analysis!r}: {e}") from None
     if task is None:
         table = read_head_table(cfg.analysis)
         return resolve_plan(plan, table, shape=config_shape(cfg.model.name))[0]
