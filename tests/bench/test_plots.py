@@ -62,3 +62,21 @@ def test_crowded_labels_overlap_neither_each_other_nor_points():
                 assert not (box.x0 < cx + dot and cx - dot < box.x1 and box.y0 < cy + dot
                             and cy - dot < box.y1), (labels[k], j)
     plt.close(fig)
+
+
+def test_scaling_plot_draws_both_panels_and_skips_missing_points(tmp_path):
+    from attnlab.bench.plots import env_title, scaling_plot
+    from attnlab.bench.speed import environment
+
+    rows = [
+        {"n": 128, "form": "naive", "fwdbwd_ms": 5.0, "peak_mem_mb": 774.0},
+        {"n": 128, "form": "efficient", "fwdbwd_ms": 8.0, "peak_mem_mb": 102.0},
+        {"n": 512, "form": "naive", "fwdbwd_ms": None, "peak_mem_mb": None},  # skipped
+        {"n": 512, "form": "efficient", "fwdbwd_ms": 62.0, "peak_mem_mb": 536.0},
+    ]
+    out = scaling_plot(rows, tmp_path / "sub" / "jat.png", title=env_title(environment()))
+    assert out.is_file() and out.stat().st_size > 5000
+    assert not list(out.parent.glob(".*tmp*"))  # written via a temporary file
+    import matplotlib.image
+
+    assert matplotlib.image.imread(out).shape[1] == 1320  # 11 in x 120 dpi, two panels

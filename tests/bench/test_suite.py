@@ -239,3 +239,15 @@ def test_memory_at_every_n(tmp_path):
     run_suite(single, ["band"], (512,), progress=False, measure=fake([]))
     assert "at every n" not in (single / "table.md").read_text()
 
+
+def test_bench_sparse_smoke():
+    """The benchmark runs end to end (two subprocesses) and formats its table."""
+    from attnlab.bench.speed import bench_sparse, format_markdown
+
+    rows = bench_sparse(ns=(256,), window=8, heads=1, head_dim=8, repeats=1, progress=False)
+    assert [r["method"] for r in rows] == ["sdpa", "band(window=8)"]
+    for r in rows:
+        assert r["fwd_ms"] > 0 and r["fwdbwd_ms"] > 0 and r["peak_mem_mb"] >= 0
+    assert rows[0]["fwdbwd_speedup"] == 1.0
+    table = format_markdown(rows)
+    assert table.count("\n") == 4 and "`band(window=8)`" in table

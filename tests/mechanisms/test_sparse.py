@@ -235,7 +235,7 @@ def test_blocked_path_matches_reference(spec, causal, engine):
     """The fast path (the blocked engine; the gathered one for per-query key lists) equals
     autograd through the dense masked reference to 1e-5 (fp32), outputs and gradients,
     with padding, a fully masked sequence and the causal rule, and it ran."""
-    from attnlab.mechanisms import _gathered, sparse
+    from attnlab.mechanisms import _gathered
 
     mech = build(spec)
     q, k, v = _qkv(N_FAST, seed=len(spec))
@@ -245,7 +245,7 @@ def test_blocked_path_matches_reference(spec, causal, engine):
     from attnlab.mechanisms import _blockflash, _blockpatterns
 
     if spec in KEY_LISTS or (spec in UNION and engine == "explicit"):
-        path = (sparse._gathered, "gathered_attention", _gathered.gathered_attention)
+        path = (_gathered, "gathered_attention", _gathered.gathered_attention)
     elif spec in UNION:
         path = (_blockpatterns, "union_attention", _blockpatterns.union_attention)
     else:
@@ -509,38 +509,7 @@ def test_bad_configs_name_the_problem(spec, needle):
         resolve_config(spec)
 
 
-# ------------------------------------------------------------------------- benchmark
-
-
-def test_bench_sparse_smoke():
-    """The benchmark runs end to end (two subprocesses) and formats its table."""
-    from attnlab.bench.speed import bench_sparse, format_markdown
-
-    rows = bench_sparse(ns=(256,), window=8, heads=1, head_dim=8, repeats=1, progress=False)
-    assert [r["method"] for r in rows] == ["sdpa", "band(window=8)"]
-    for r in rows:
-        assert r["fwd_ms"] > 0 and r["fwdbwd_ms"] > 0 and r["peak_mem_mb"] >= 0
-    assert rows[0]["fwdbwd_speedup"] == 1.0
-    table = format_markdown(rows)
-    assert table.count("\n") == 4 and "`band(window=8)`" in table
-
-
-def test_scaling_plot_draws_both_panels_and_skips_missing_points(tmp_path):
-    from attnlab.bench.plots import env_title, scaling_plot
-    from attnlab.bench.speed import environment
-
-    rows = [
-        {"n": 128, "form": "naive", "fwdbwd_ms": 5.0, "peak_mem_mb": 774.0},
-        {"n": 128, "form": "efficient", "fwdbwd_ms": 8.0, "peak_mem_mb": 102.0},
-        {"n": 512, "form": "naive", "fwdbwd_ms": None, "peak_mem_mb": None},  # skipped
-        {"n": 512, "form": "efficient", "fwdbwd_ms": 62.0, "peak_mem_mb": 536.0},
-    ]
-    out = scaling_plot(rows, tmp_path / "sub" / "jat.png", title=env_title(environment()))
-    assert out.is_file() and out.stat().st_size > 5000
-    assert not list(out.parent.glob(".*tmp*"))  # written via a temporary file
-    import matplotlib.image
-
-    assert matplotlib.image.imread(out).shape[1] == 1320  # 11 in x 120 dpi, two panels
+# ------------------------------------------------ K, V, q and dO read without copies
 
 
 N_BLOCKS = 5 * bs.DEFAULT_BLOCK  # a multiple of the query block: K and V need no padded copy

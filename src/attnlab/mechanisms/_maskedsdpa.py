@@ -1,5 +1,5 @@
 """Dense masked softmax attention through ``F.scaled_dot_product_attention``, when no
-weights are returned: the short-input path of the position patterns (``sparse._run``),
+weights are returned: the short-input path of the position patterns (``_patternrun.run_pattern``),
 ``hardcoded_gaussian`` (its prior as the bias, zero queries and keys), ``mca`` (the
 compressed slots' mask as the bias), and per group of keys: ``clustered`` (the centroid
 queries), ``routing`` (clusters as heads) and ``poolingformer``'s slots (query blocks as

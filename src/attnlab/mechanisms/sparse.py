@@ -16,14 +16,13 @@ does the strided pattern with attention dropout. Short inputs take the dense pat
 under the pattern's mask (``_maskedsdpa``), or the reference itself when the weights are
 returned (``ctx.need_weights``, capture). On CUDA, without dropout and from the same
 length on, every pattern runs on FlexAttention (``_flex``; block-sparse kernels, cached
-masks).
+masks). The dispatch between these paths is ``_patternrun.run_pattern``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal, Protocol
+from typing import ClassVar, Literal
 
 import torch
 from torch import nn
@@ -35,9 +34,7 @@ from ..core import (
     Capabilities,
     HeadDims,
     MechanismConfig,
-    check_qkv,
     pattern_bias,
-    reference_attention,
     register_mechanism,
     require,
 )
@@ -50,89 +47,19 @@ from ..core.masks import (
     dilated_pattern,
     fixed_pattern,
     global_pattern,
-    positions,
     random_key_list,
     random_pattern,
     star_pattern,
     strided_key_list,
     strided_pattern,
 )
-from . import _blockflash, _flex, _gathered
+from . import _blockflash
 from . import _blockpatterns as bp
 from . import _blocksparse as bs
-from ._maskedsdpa import masked_sdpa
+from ._patternrun import FastPath, key_list_path, run_pattern
 
 FAMILY = "sparse"
 SURVEY = "Lin et al. 2021 (survey §3.1.1)"
-
-# Fast path: (q, k, v, ctx, scale, dropout) -> out [b,h,n,dv]
-FastPath = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttnContext, float, float],
-                    torch.Tensor]
-
-
-class _Pattern(Protocol):
-    """What :func:`_run` reads off a pattern mechanism (an ``nn.Module`` of this file)."""
-
-    @property
-    def cfg(self) -> MechanismConfig: ...
-    @property
-    def dims(self) -> HeadDims: ...
-    @property
-    def training(self) -> bool: ...
-    def bias(self, n: int, m: int, layer_idx: int = 0) -> torch.Tensor: ...
-
-
-def _run(mech: _Pattern, q, k, v, ctx: AttnContext, fast: FastPath | None) -> AttnOutput:
-    """Shared forward: FlexAttention on CUDA, else the blocked fast path when it applies,
-    else dense masked softmax over ``bias``: SDPA (``_maskedsdpa``), or the reference
-    itself when the weights are returned."""
-    check_qkv(q, k, v, mech.dims)
-    n, m = q.shape[2], k.shape[2]
-    scale = ctx.scale_for(q.shape[-1])
-    p = ctx.dropout if mech.training else 0.0
-    sparse = bs.use_blocked(n, m, ctx.need_weights, v.shape[-1] == q.shape[-1])
-    if sparse and p == 0 and _flex.available(q):
-        out = _flex.flex_pattern_attention(
-            q, k, v, lambda: mech.bias(n, m, layer_idx=ctx.layer_idx)[0] == 0,
-            (mech.cfg, ctx.layer_idx), key_mask=ctx.key_mask, causal=ctx.causal, scale=scale,
-        )
-        return AttnOutput(out)
-    if sparse and fast is not None:
-        return AttnOutput(fast(q, k, v, ctx, scale, p))
-    bias = mech.bias(n, m, layer_idx=ctx.layer_idx).to(q.device)  # [1,n,m]
-    causal = ctx.causal
-    if causal and n != m:
-        # the pattern reads query i as position i, and so does causality: j <= i (not the
-        # reference's queries-at-the-end alignment, j <= i + m - n, of position-free heads)
-        i, j = positions(n, m, q.device)
-        bias = bias.masked_fill(j > i, float("-inf"))  # [1,n,m]
-        causal = False
-    if not ctx.need_weights:  # torch's fused kernel under the same mask
-        return AttnOutput(masked_sdpa(q, k, v, bias, ctx.key_mask, causal, scale, p))
-    out, probs = reference_attention(
-        q, k, v, bias=bias, key_mask=ctx.key_mask, causal=causal, scale=scale,
-        dropout=p, training=mech.training,
-    )
-    return AttnOutput(out, probs)
-
-
-def _key_list_path(keys: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]) -> FastPath:
-    """A fast path over per-query key lists: ``keys(n, layer_idx)`` -> (idx [n,K],
-    ok [n,K]), the pattern's keys of each query (``core.masks``' ``*_key_list``), run on
-    ``_gathered`` with the causal rule and the key mask added here."""
-
-    def fast(q, k, v, ctx: AttnContext, scale: float, p: float) -> torch.Tensor:
-        n = q.shape[2]
-        idx, ok = (t.to(q.device) for t in keys(n, ctx.layer_idx))  # [n,K]
-        if ctx.causal:
-            ok = ok & (idx <= torch.arange(n, device=q.device)[:, None])
-        allowed = ok[None, None]  # [1,1,n,K]
-        if ctx.key_mask is not None:
-            allowed = allowed & ctx.key_mask.to(device=q.device, dtype=torch.bool)[:, idx][:, None]
-        return _gathered.gathered_attention(q, k, v, idx, allowed, scale=scale, dropout=p)
-
-    return fast
-
 
 # ----------------------------------------------------------------------------- mechanisms
 
@@ -176,7 +103,7 @@ class Band(nn.Module):
         )
 
     def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
-        return _run(self, q, k, v, ctx, self._fast)
+        return run_pattern(self, q, k, v, ctx, self._fast)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -220,7 +147,7 @@ class Dilated(nn.Module):
         )
 
     def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
-        return _run(self, q, k, v, ctx, self._fast)
+        return run_pattern(self, q, k, v, ctx, self._fast)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -269,7 +196,7 @@ class BlockLocal(nn.Module):
         )
 
     def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
-        return _run(self, q, k, v, ctx, self._fast)
+        return run_pattern(self, q, k, v, ctx, self._fast)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -311,7 +238,7 @@ class GlobalTokens(nn.Module):
         )
 
     def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
-        return _run(self, q, k, v, ctx, self._fast)
+        return run_pattern(self, q, k, v, ctx, self._fast)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -348,7 +275,7 @@ class Random(nn.Module):
     def __init__(self, cfg: RandomConfig, dims: HeadDims) -> None:
         super().__init__()
         self.cfg, self.dims = cfg, dims
-        self._fast = _key_list_path(
+        self._fast = key_list_path(
             lambda n, layer: random_key_list(n, cfg.num_random, cfg.seed, layer))
 
     def bias(self, n: int, m: int, layer_idx: int = 0) -> torch.Tensor:
@@ -356,7 +283,7 @@ class Random(nn.Module):
         return pattern_bias(pat)[None]
 
     def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
-        return _run(self, q, k, v, ctx, self._fast)
+        return run_pattern(self, q, k, v, ctx, self._fast)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -404,7 +331,7 @@ class Longformer(nn.Module):
         )
 
     def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
-        return _run(self, q, k, v, ctx, self._fast)
+        return run_pattern(self, q, k, v, ctx, self._fast)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -447,7 +374,7 @@ class Star(nn.Module):
         )
 
     def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
-        return _run(self, q, k, v, ctx, self._fast)
+        return run_pattern(self, q, k, v, ctx, self._fast)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -543,7 +470,7 @@ class BigBird(nn.Module):
         globals_ = c.global_blocks + c.last_global
         keys = (c.window_blocks // 2 * 2 + 1 + globals_ + c.num_random_blocks) * c.block
         # when every query sees about all keys anyway, the dense path is faster
-        return _run(self, q, k, v, ctx, self._fast if 2 * keys <= q.shape[2] else None)
+        return run_pattern(self, q, k, v, ctx, self._fast if 2 * keys <= q.shape[2] else None)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -585,7 +512,7 @@ class SparseTransformer(nn.Module):
     def __init__(self, cfg: SparseTransformerConfig, dims: HeadDims) -> None:
         super().__init__()
         self.cfg, self.dims = cfg, dims
-        self._key_lists = _key_list_path(lambda n, _: strided_key_list(n, cfg.stride))
+        self._key_lists = key_list_path(lambda n, _: strided_key_list(n, cfg.stride))
         self._fast: FastPath = self._strided if cfg.mode == "strided" else self._fixed
 
     def _strided(self, q, k, v, ctx: AttnContext, scale: float, p: float) -> torch.Tensor:
@@ -607,4 +534,4 @@ class SparseTransformer(nn.Module):
         return pattern_bias(fixed_pattern(n, m, c.stride, c.summary))[None]
 
     def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
-        return _run(self, q, k, v, ctx, self._fast)
+        return run_pattern(self, q, k, v, ctx, self._fast)
