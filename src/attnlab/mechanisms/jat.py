@@ -378,6 +378,11 @@ class JumpSelfAttention(nn.Module):
         hop in place into one shared tensor, so its sum double counts the last hop and S).
       * probsparse: the kept queries are sorted (no effect on the values); batch 1 works
         (the official ``.squeeze()`` breaks it); n = 1 gives an empty block.
+      * ``mode="replace"`` sets S~ = J of the head itself. The official ``otype=1`` computes
+        J from the JAT heads (the even heads 0, 2, ... when at most half are JAT heads) and
+        writes it into the last ``use`` heads (``attention_scores[:, oheads:]``), so with
+        the default ``oheads=10`` of 12 heads 10 and 11 take J of heads 0 and 2 while heads
+        0 and 2 keep S; here a plan puts the head where J is computed and used.
     With ``mode='mix'`` and c = 0 the head runs the ``softmax`` mechanism itself, so a
     model with such heads is bit for bit the pretrained one (tested).
     Not causal: A mixes all positions (``causal_ok=False``); needs n == m (self-attention).

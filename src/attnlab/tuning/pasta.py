@@ -1,7 +1,8 @@
 """PASTA: parameter-efficient tuning with special token adaptation.
 
-Yang, Zhou, Ma, Chen, Mo, "Parameter-Efficient Tuning with Special Token Adaptation",
-EACL 2023 (official code: github.com/luka-group/PASTA).
+Xiaocong Yang, James Y. Huang, Wenxuan Zhou, Muhao Chen, "Parameter-Efficient Tuning with
+Special Token Adaptation", EACL 2023 (arXiv 2210.04382; official code:
+github.com/luka-group/PASTA, ``PASTA_modeling.py``).
 
 Before every layer l the hidden states get a trainable vector at each special token:
 
@@ -63,7 +64,13 @@ class PastaConfig(TunerConfig):
 
     ``recommended_optim`` holds the official scripts' settings (AdamW, weight decay 0,
     linear decay, no warmup, max length 128; GLUE: lr 2.5e-4, batch 32; their CoNLL-2003
-    script uses lr 3e-3, batch 16).
+    script uses lr 3e-3, batch 16). Their GLUE script builds ``transformers.AdamW``, whose
+    eps is 1e-6 (the NER script: ``torch.optim.AdamW``, eps 1e-8); the runner's AdamW eps
+    stays ``optim.eps`` (default 1e-8), which the recipe does not set. The scripts train
+    150 (GLUE) and 100 (CoNLL-2003) epochs and keep the best dev epoch.
+    ``dropout`` and ``init_std`` are constants here; the official code takes the model
+    config's ``hidden_dropout_prob`` and, through ``from_pretrained``'s initialisation of
+    missing weights, ``initializer_range`` (0.1 and 0.02 in the BERT and RoBERTa configs).
     """
 
     name = "pasta"
@@ -75,7 +82,7 @@ class PastaConfig(TunerConfig):
     )
     num_special_tokens: int | None = None  # n per layer; None: 2 single/ner, 3 pair, 4 RoBERTa pair
     special_ids: tuple[int, ...] | None = None  # ids counted as special; None: task's or family's
-    dropout: float = 0.1  # p of the dropout on the added vectors (hidden_dropout_prob in the paper)
+    dropout: float = 0.1  # p of the dropout on the added vectors (official: hidden_dropout_prob)
     init_std: float = 0.02  # std of the N(0, std^2) init of e_s^(l)
 
     def __post_init__(self) -> None:
