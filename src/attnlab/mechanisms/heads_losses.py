@@ -22,6 +22,7 @@ from ..core import (
     Capabilities,
     HeadDims,
     MechanismConfig,
+    accumulation_dtype,
     check_qkv,
     reference_attention,
     register_mechanism,
@@ -87,7 +88,7 @@ def _mean_cosine(x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
     """
     if keep is not None:
         x = x * keep[:, None, :, None].to(x.dtype)  # padded rows -> 0
-    flat = x.flatten(2).float()  # [b,h,L*e]
+    flat = x.flatten(2).to(accumulation_dtype(x.dtype))  # [b,h,L*e]
     gram = flat @ flat.transpose(1, 2)  # [b,h,h] Frobenius inner products
     norm = flat.norm(dim=-1).clamp_min(EPS)  # [b,h]
     cos = gram / (norm[:, :, None] * norm[:, None, :])  # [b,h,h]
@@ -143,7 +144,7 @@ class Disagreement(nn.Module):
         (sum_i A^i)^2 / H^2), given instead of probs by the chunked forward."""
         n, m = out.shape[-2], v.shape[-2]
         rows = query_rows(key_mask, n, m)  # [b,n] or None
-        total = out.new_zeros((), dtype=torch.float32)
+        total = out.new_zeros((), dtype=accumulation_dtype(out.dtype))
         for term in self.cfg.terms:
             if term == "subspace":
                 total = total + _mean_cosine(v, key_mask)
@@ -154,7 +155,7 @@ class Disagreement(nn.Module):
             else:  # position: sum_ij sum_{q,k} A^i A^j = sum_{q,k} (sum_i A^i)^2
                 assert probs is not None
                 h = probs.shape[1]
-                s = probs.float().sum(1)  # [b,n,m]; padded keys have A = 0
+                s = probs.to(accumulation_dtype(probs.dtype)).sum(1)  # [b,n,m]; padded keys 0
                 if rows is not None:
                     s = s * rows[:, :, None]
                 total = total + (s.square().sum(dim=(1, 2)) / h**2).mean()
@@ -177,7 +178,7 @@ class Disagreement(nn.Module):
             out, probs = _dense_rows(qc, k, v, ctx, self.training, r0, n)
             if not position:
                 return out, out.new_zeros(())
-            s = probs.float().sum(1)  # [b,c,m]; padded keys have A = 0
+            s = probs.to(accumulation_dtype(probs.dtype)).sum(1)  # [b,c,m]; padded keys 0
             if keep is not None:
                 s = s * keep[:, r0:r0 + c, None]
             return out, s.square().sum(dim=(1, 2))  # [b]
@@ -207,20 +208,21 @@ class PatternLossConfig(MechanismConfig):
         require(self.weight >= 0, f"pattern_loss weight must be >= 0, got {self.weight}")
 
 
-def pattern_target(pattern: str, allowed: torch.Tensor, first_row: int = 0) -> torch.Tensor:
-    """Target map P [b,n,m] of ``pattern`` where ``allowed`` [b,n,m] bool says which keys a
-    query may see: 1 on the pattern's key (prev j = i-1, next j = i+1, first j = 0, self
-    j = i; 0 when that key is not allowed), or uniform over the allowed keys (bow). The n
-    rows are queries first_row .. first_row + n - 1 (a chunk of rows)."""
+def pattern_target(pattern: str, allowed: torch.Tensor, first_row: int = 0,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Target map P [b,n,m] in ``dtype`` of ``pattern`` where ``allowed`` [b,n,m] bool says
+    which keys a query may see: 1 on the pattern's key (prev j = i-1, next j = i+1, first
+    j = 0, self j = i; 0 when that key is not allowed), or uniform over the allowed keys
+    (bow). The n rows are queries first_row .. first_row + n - 1 (a chunk of rows)."""
     n, m = allowed.shape[-2:]
     i, j = positions(n, m, allowed.device)  # [n,1], [1,m]
     i = i + first_row
     if pattern == "bow":
-        a = allowed.to(torch.float32)
+        a = allowed.to(dtype)
         return a / a.sum(-1, keepdim=True).clamp_min(1.0)
     on = {"prev": j == i - 1, "next": j == i + 1, "first": (j == 0).expand(n, m),
           "self": j == i}[pattern]
-    return (on & allowed).to(torch.float32)
+    return (on & allowed).to(dtype)
 
 
 @register_mechanism(PatternLossConfig)
@@ -285,13 +287,14 @@ class PatternLoss(nn.Module):
         rows = torch.ones(b, n, dtype=torch.bool, device=probs.device) if rows is None else rows
         count = (rows.sum(-1) * keys.sum(-1)).sum().clamp_min(1)  # sum_b |Q_b| |K_b|
         entries = rows[:, first_row:first_row + c, None] & keys[:, None, :]  # [b,c,m] counted
+        work = accumulation_dtype(probs.dtype)  # float32 for 16-bit maps, else their dtype
         total = None
         for pat in dict.fromkeys(self.head_patterns):
             if pat == "none":
                 continue
             heads = [i for i, p in enumerate(self.head_patterns) if p == pat]
-            target = pattern_target(pat, allowed, first_row)  # [b,c,m]
-            diff = (probs[:, heads].float() - target[:, None]) * entries[:, None]  # [b,k,c,m]
+            target = pattern_target(pat, allowed, first_row, work)  # [b,c,m]
+            diff = (probs[:, heads].to(work) - target[:, None]) * entries[:, None]  # [b,k,c,m]
             term = diff.square().sum() / (count * len(heads))
             total = term if total is None else total + term
         return total
@@ -311,7 +314,9 @@ class PatternLoss(nn.Module):
         def rows(r0: int, qc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             out, probs = _dense_rows(qc, k, v, ctx, self.training, r0, n)
             loss = self.guidance_loss(probs, ctx.key_mask, ctx.causal, r0, n)
-            return out, out.new_zeros((), dtype=torch.float32) if loss is None else loss
+            if loss is None:
+                return out, out.new_zeros((), dtype=accumulation_dtype(out.dtype))
+            return out, loss
 
         out, loss = in_row_chunks(rows, q, m, dropout=draws_dropout(ctx, self.training))
         aux = (self.cfg.weight * loss).to(out.dtype) if guided else None

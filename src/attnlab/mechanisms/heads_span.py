@@ -26,6 +26,7 @@ from ..core import (
     Capabilities,
     HeadDims,
     MechanismConfig,
+    accumulation_dtype,
     check_qkv,
     masked_softmax,
     register_mechanism,
@@ -380,6 +381,12 @@ class AdaptiveSpan(nn.Module):
     |i - j| (raw 0-based positions, also when n != m), which equals i - j under
     ``ctx.causal`` (keys j <= i). At z >= n (with S >= n) every mask value is 1 and this is
     softmax attention (up to the 1e-8).
+    Own token (deviation): the paper and the official ``SeqAttention`` attend the S previous
+    tokens r in [t - S, t), not token t itself (the paper's m_z(t - r) then starts at
+    x = 1, while the official mask template gives the nearest key the value of x = 0, so
+    the two differ by one position). Here the query's own key is a key at x = 0 (every
+    mechanism of the library attends to its own token) and the official template's values
+    apply from there: m_z(x) over x = 0, 1, ..., L - 1.
     """
 
     example: ClassVar[str] = "adaptive_span(max_span=16, ramp=4, init=0.5)"
@@ -415,9 +422,11 @@ class AdaptiveSpan(nn.Module):
         return max(1, min(self.cfg.max_span, math.ceil(top * self.cfg.max_span) + self.cfg.ramp))
 
     def soft_mask(self, x: torch.Tensor) -> torch.Tensor:
-        """m_z(x) for integer distances x [...] -> [h, ...] in [0, 1]."""
-        z = self.spans().float().view(-1, *([1] * x.dim()))  # [h,1..]
-        return ((self.cfg.ramp + z - x.float()) / self.cfg.ramp).clamp(0.0, 1.0)
+        """m_z(x) for integer distances x [...] -> [h, ...] in [0, 1], in the parameter's
+        accumulation dtype (float32 for 16-bit parameters, float64 stays float64)."""
+        z = self.spans()
+        z = z.to(accumulation_dtype(z.dtype)).view(-1, *([1] * x.dim()))  # [h,1..]
+        return ((self.cfg.ramp + z - x.to(z.dtype)) / self.cfg.ramp).clamp(0.0, 1.0)
 
     def _renormalise(self, probs: torch.Tensor, mask: torch.Tensor, p: float) -> torch.Tensor:
         """softmax probs [b,h,n,L] x m_z [h,n|1,L] -> renormalised (then dropout)."""

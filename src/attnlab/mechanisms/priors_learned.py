@@ -24,6 +24,7 @@ from ..core import (
     Capabilities,
     HeadDims,
     MechanismConfig,
+    accumulation_dtype,
     check_qkv,
     register_mechanism,
     require,
@@ -282,19 +283,21 @@ class Average(nn.Module):
             _init_linear_(self.ffn_w2, self.ffn_b2, self.ffn_w1.shape[-1])
         _init_linear_(self.gate_w, self.gate_b, 2 * d)
 
-    def averaging_weights(self, ctx: AttnContext, b: int, n: int,
-                          device: torch.device) -> torch.Tensor:
-        """W [b,1,n,n]: 1/|K_i| on the visible keys of row i, 0 elsewhere."""
-        allowed = allowed_pairs(ctx, (b, 1, n, n), device).float()  # [b,1,n,n]
+    def averaging_weights(self, ctx: AttnContext, b: int, n: int, device: torch.device,
+                          dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """W [b,1,n,n] in ``dtype``: 1/|K_i| on the visible keys of row i, 0 elsewhere."""
+        allowed = allowed_pairs(ctx, (b, 1, n, n), device).to(dtype)  # [b,1,n,n]
         return allowed / allowed.sum(-1, keepdim=True).clamp_min(1.0)
 
     @staticmethod
     def _average(v: torch.Tensor, ctx: AttnContext) -> tuple[torch.Tensor, torch.Tensor]:
-        """Fast path: (a [b,h,n|1,dv] float32, live [b,1,n|1,1]: row has a visible key)."""
+        """Fast path: (a [b,h,n|1,dv] in v's accumulation dtype, live [b,1,n|1,1]: row has
+        a visible key)."""
         b, _, n, _ = v.shape
-        keep = (torch.ones(b, n, device=v.device) if ctx.key_mask is None
-                else ctx.key_mask.to(device=v.device, dtype=torch.float32))  # [b,n]
-        vk = v.float() * keep[:, None, :, None]  # [b,h,n,dv] padded values zeroed
+        work = accumulation_dtype(v.dtype)  # float32 for 16-bit values, else v's dtype
+        keep = (torch.ones(b, n, device=v.device, dtype=work) if ctx.key_mask is None
+                else ctx.key_mask.to(device=v.device, dtype=work))  # [b,n]
+        vk = v.to(work) * keep[:, None, :, None]  # [b,h,n,dv] padded values zeroed
         if ctx.causal:
             sums, counts = vk.cumsum(2), keep.cumsum(-1)[:, None, :, None]  # prefix sums
         else:
@@ -312,9 +315,10 @@ class Average(nn.Module):
                 f"has head dim {v.shape[-1]}")
         weights = None
         if ctx.need_weights or (self.training and ctx.dropout > 0):
-            weights = self.averaging_weights(ctx, b, n, q.device)  # [b,1,n,n]
+            work = accumulation_dtype(v.dtype)
+            weights = self.averaging_weights(ctx, b, n, q.device, work)  # [b,1,n,n]
             live = weights.sum(-1, keepdim=True) > 0  # [b,1,n,1]
-            avg = _dropout(weights, ctx, self.training) @ v.float()  # [b,h,n,dv]
+            avg = _dropout(weights, ctx, self.training) @ v.to(work)  # [b,h,n,dv]
         else:
             avg, live = self._average(v, ctx)  # [b,h,n|1,dv], [b,1,n|1,1]
         # g and the FFN on one row per sequence when every row's average is the same

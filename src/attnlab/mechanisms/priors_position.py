@@ -29,6 +29,7 @@ from ..core import (
     Capabilities,
     HeadDims,
     MechanismConfig,
+    accumulation_dtype,
     check_qkv,
     register_mechanism,
     require,
@@ -45,13 +46,13 @@ MIN_SIGMA = 1e-4
 
 
 def _distance(n: int, m: int, device: torch.device, first_row: int = 0,
-              rows: int | None = None) -> torch.Tensor:
-    """(i + (m - n)) - j as float [rows,m]: query position minus key position, for query
-    rows first_row .. first_row + rows - 1 of n (all n by default)."""
+              rows: int | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(i + (m - n)) - j as ``dtype`` [rows,m]: query position minus key position, for
+    query rows first_row .. first_row + rows - 1 of n (all n by default)."""
     rows = n if rows is None else rows
     i = torch.arange(first_row, first_row + rows, device=device,
-                     dtype=torch.float32)[:, None] + (m - n)
-    j = torch.arange(m, device=device, dtype=torch.float32)[None, :]
+                     dtype=dtype)[:, None] + (m - n)
+    j = torch.arange(m, device=device, dtype=dtype)[None, :]
     return i - j
 
 
@@ -129,24 +130,27 @@ class GaussianPrior(nn.Module):
 
     def centre_and_window(self, q: torch.Tensor, ctx: AttnContext,
                           m: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(P [b,h,n], D [b,h,n]) in float32 for queries q [b,h,n,d] over m keys."""
+        """(P [b,h,n], D [b,h,n]) for queries q [b,h,n,d] over m keys, in q's accumulation
+        dtype (float32 for 16-bit queries, else q's dtype)."""
         b = q.shape[0]
+        work = accumulation_dtype(q.dtype)
         if ctx.key_mask is None:
-            length = torch.full((b,), float(m), device=q.device)
+            length = torch.full((b,), float(m), device=q.device, dtype=work)
         else:
-            length = ctx.key_mask.to(torch.bool).sum(-1).float()  # I [b]
+            length = ctx.key_mask.to(torch.bool).sum(-1).to(work)  # I [b]
         length = length[:, None, None]  # [b,1,1]
-        w_p, v_p, v_d = (p.float() for p in (self.w_p, self.v_p, self.v_d))
-        t = torch.tanh(torch.einsum("bhnd,hed->bhne", q.float(), w_p))  # tanh(W_p q_i)
+        w_p, v_p, v_d = (p.to(work) for p in (self.w_p, self.v_p, self.v_d))
+        t = torch.tanh(torch.einsum("bhnd,hed->bhne", q.to(work), w_p))  # tanh(W_p q_i)
         centre = length * torch.sigmoid(torch.einsum("bhne,he->bhn", t, v_p))  # P [b,h,n]
         window = length * torch.sigmoid(torch.einsum("bhne,he->bhn", t, v_d))  # D [b,h,n]
         return centre, window
 
     def prior(self, q: torch.Tensor, ctx: AttnContext, m: int) -> torch.Tensor:
-        """G [b,h,n,m] for queries q [b,h,n,d], computed in float32, in q's dtype."""
+        """G [b,h,n,m] for queries q [b,h,n,d], computed in q's accumulation dtype (float32
+        for 16-bit queries), returned in q's dtype."""
         centre, window = self.centre_and_window(q, ctx, m)  # [b,h,n] each
         sigma = (window / 2).clamp_min(MIN_SIGMA)  # sigma_i [b,h,n]
-        j = torch.arange(m, device=q.device, dtype=torch.float32)  # [m]
+        j = torch.arange(m, device=q.device, dtype=centre.dtype)  # [m]
         g = -(j - centre[..., None]).square() / (2 * sigma[..., None].square())  # [b,h,n,m]
         return g.to(q.dtype)
 
@@ -234,10 +238,12 @@ class GaussianTransformer(nn.Module):
 
     def bias(self, n: int, m: int, first_row: int = 0, rows: int | None = None
              ) -> torch.Tensor:
-        """G [h,n,m] = -|w d_ij^2 + b|, computed in float32 (d^2 is exact there); G
+        """G [h,n,m] = -|w d_ij^2 + b|, computed in the parameters' accumulation dtype
+        (float32 for 16-bit parameters, where d^2 is exact; float64 stays float64); G
         [h,rows,m] for query rows first_row .. first_row + rows - 1 of n."""
-        d2 = _distance(n, m, self.w_raw.device, first_row, rows).square()  # [n|rows,m]
-        w, b = self.w.float()[:, None, None], self.b.float()[:, None, None]  # [h,1,1]
+        work = accumulation_dtype(self.w_raw.dtype)
+        d2 = _distance(n, m, self.w_raw.device, first_row, rows, work).square()  # [n|rows,m]
+        w, b = self.w.to(work)[:, None, None], self.b.to(work)[:, None, None]  # [h,1,1]
         return -(w * d2 + b).abs()
 
     def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
