@@ -321,9 +321,11 @@ def naive_poolingformer(q, k, v, mech, key_mask, causal):
                            and (not causal or j <= i)]], d**-0.5) for i in range(n)])
             q2, k2, v2 = (y, y, y) if cfg.stacked else (q[bi, hi], k[bi, hi], v[bi, hi])
             ks, vs, spans = [], [], []
-            for s0 in starts:
-                toks = [j for j in range(s0, min(s0 + kappa, n)) if keep[bi, j]]
-                spans.append((s0, min(s0 + kappa, n) - 1, bool(toks)))
+            extent = max((j + 1 for j in range(n) if keep[bi, j]), default=0)
+            for s0 in starts:  # the row's slots: up to the first reaching its extent
+                needed = s0 == 0 or s0 - xi + kappa < extent
+                toks = [j for j in range(s0, min(s0 + kappa, n)) if keep[bi, j] and needed]
+                spans.append((s0, max(toks, default=s0), bool(toks)))  # ends at a kept token
                 for src, dst in ((k2, ks), (v2, vs)):
                     if cfg.pool == "mean":
                         dst.append(src[toks].mean(0) if toks else torch.zeros(d))

@@ -10,6 +10,8 @@ reassociation only); cluster assignments and sampled keys compared exactly.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from plan_step import train_one_step
@@ -22,6 +24,7 @@ from attnlab.mechanisms.prototype import (
     ProbSparseConfig,
     cluster_queries,
     probsparse_keys,
+    probsparse_sizes,
 )
 
 D, H = 8, 2
@@ -150,8 +153,11 @@ def naive_clustered(q, k, v, assign, clusters, key_mask=None, topk=None):
     return w @ v, w
 
 
-def naive_probsparse(q, k, v, draws, active, key_mask=None):
-    """Informer's query selection by loops; returns (out, weights, sampled keys [b,n,U])."""
+def naive_probsparse(q, k, v, draws, factor, key_mask=None):
+    """Informer's query selection by loops; returns (out, weights, sampled keys [b,n,U]).
+
+    Row b has the sizes of its unpadded sequence: U_b = min(c*ceil(ln L_b), L_b) samples
+    (the first U_b draws), u_b from its real query count; M = max - mean of the samples."""
     b, h, n, d = q.shape
     m = k.shape[2]
     kvalid = torch.ones(b, m, dtype=torch.bool) if key_mask is None else key_mask
@@ -161,6 +167,8 @@ def naive_probsparse(q, k, v, draws, active, key_mask=None):
     for bi in range(b):
         real = [j for j in range(m) if kvalid[bi, j]]
         big_l = len(real)
+        num = probsparse_sizes(big_l, factor)[0] if big_l else 0
+        active = probsparse_sizes(int(qvalid[bi].sum()), factor)[1]
         for i in range(n):
             for s, r in enumerate(draws[i].tolist()):
                 sampled[bi, i, s] = real[r * big_l // 2**31] if real else 0
@@ -169,8 +177,9 @@ def naive_probsparse(q, k, v, draws, active, key_mask=None):
             for i in range(n):
                 if not qvalid[bi, i]:
                     continue
-                dots = [(q[bi, hi, i] @ k[bi, hi, j]).item() for j in sampled[bi, i].tolist()]
-                measure[i] = max(dots) - sum(dots) / max(big_l, 1) if dots else 0.0
+                dots = [(q[bi, hi, i] @ k[bi, hi, j]).item()
+                        for j in sampled[bi, i, :num].tolist()]
+                measure[i] = max(dots) - sum(dots) / len(dots) if dots else 0.0
             chosen = sorted(measure, key=lambda i: -measure[i])[:active]
             for i in range(n):
                 if not qvalid[bi, i]:
@@ -296,21 +305,72 @@ def test_clustered_cross_attention_matches_naive(name):
     torch.testing.assert_close(res.probs, ref_w, **TOL)
 
 
-@pytest.mark.parametrize("n,m,lengths", [(13, 13, None), (13, 13, [13, 7, 2]), (9, 12, [12, 5, 1])])
-def test_probsparse_matches_naive_reference(n, m, lengths):
-    mech = build("probsparse(factor=1)")
+@pytest.mark.parametrize("n,m,lengths", [(13, 13, None), (13, 13, [13, 7, 2]), (9, 12, [12, 5, 1]),
+                                         (40, 40, [40, 23, 9]), (30, 50, [50, 17, 3])])
+@pytest.mark.parametrize("factor", [1, 2])
+def test_probsparse_matches_naive_reference(n, m, lengths, factor):
+    mech = build(f"probsparse(factor={factor})")
     q, k, v = qkv(n=n, m=m, seed=5, requires_grad=True)
     mask = None if lengths is None else lengths_mask(m, lengths)
     res = run(mech, q, k, v, mask, layer=1)
     num, u = mech.sizes(n, m)
-    assert (num, u) == (min(3, m), min(3, n))  # ceil(ln 13) = ceil(ln 9) = ceil(ln 12) = 3
+    assert (num, u) == (probsparse_sizes(m, factor)[0], probsparse_sizes(n, factor)[1])
     draws = mech.draws(n, m, layer_idx=1)
-    ref, ref_w, sampled = naive_probsparse(q, k, v, draws, u, mask)
+    assert draws.shape == (n, num)
+    ref, ref_w, sampled = naive_probsparse(q, k, v, draws, factor, mask)
     kvalid = torch.ones(3, m, dtype=torch.bool) if mask is None else mask
     assert torch.equal(probsparse_keys(draws, kvalid), sampled)
     torch.testing.assert_close(res.out, ref, **TOL)
     torch.testing.assert_close(res.probs, ref_w, **TOL)
     assert_same_grads(res.out, ref, (q, k, v))
+
+
+def _official_probsparse(q, k, v, index_sample, factor, divisor):
+    """The official ``ProbAttention`` (mask_flag=False) with the sampled keys given and its
+    measure's sample sum divided by ``divisor`` (the official code: L_K)."""
+    b, h, lq, dk = q.shape
+    lk = k.shape[2]
+    u = min(factor * math.ceil(math.log(lq)), lq)
+    k_sample = k.unsqueeze(-3).expand(b, h, lq, lk, dk)[
+        :, :, torch.arange(lq).unsqueeze(1), index_sample, :]
+    qk_sample = (q.unsqueeze(-2) @ k_sample.transpose(-2, -1)).squeeze(-2)
+    meas = qk_sample.max(-1)[0] - qk_sample.sum(-1) / divisor
+    top = meas.topk(u, sorted=False)[1]
+    q_red = q[torch.arange(b)[:, None, None], torch.arange(h)[None, :, None], top, :]
+    attn = torch.softmax(q_red @ k.transpose(-2, -1) / math.sqrt(dk), dim=-1)
+    out = v.mean(dim=-2, keepdim=True).expand(b, h, lq, v.shape[-1]).clone()
+    out[torch.arange(b)[:, None, None], torch.arange(h)[None, :, None], top, :] = attn @ v
+    return out
+
+
+@pytest.mark.parametrize("n,m,factor", [(40, 40, 1), (30, 50, 1), (200, 120, 2), (7, 7, 5)])
+def test_probsparse_matches_the_official_code_with_the_papers_mean(n, m, factor):
+    """The official code fed our sampled keys, its measure's sum divided by U (the paper's
+    "M = max(S) - mean(S) by row"; the official code divides by L_K, the same at U = L_K:
+    the last case, 5 * ceil(ln 7) >= 7)."""
+    mech = build(f"probsparse(factor={factor})")
+    q, k, v = qkv(n=n, m=m, seed=11)
+    draws = mech.draws(n, m, layer_idx=0)
+    sample = probsparse_keys(draws, torch.ones(3, m, dtype=torch.bool))[0]  # [n,U]
+    ref = _official_probsparse(q, k, v, sample, factor, sample.shape[1])
+    torch.testing.assert_close(run(mech, q, k, v).out, ref, **TOL)
+    if sample.shape[1] == m:
+        official = _official_probsparse(q, k, v, sample, factor, m)
+        torch.testing.assert_close(run(mech, q, k, v).out, official, **TOL)
+
+
+def test_probsparse_padded_rows_take_the_sizes_of_their_own_length():
+    """A row of L real tokens in a batch padded to n has u = min(c*ceil(ln L), L) active
+    queries and U = min(c*ceil(ln L), L) samples, not the padded length's."""
+    mech = build("probsparse(factor=1)")
+    n, real = 60, 20  # ceil(ln 60) = 5, ceil(ln 20) = 3
+    q, k, v = qkv(b=1, n=n, seed=12)
+    mask = lengths_mask(n, [real])
+    res = run(mech, q, k, v, mask)
+    lazy = (res.probs[0, :, :real] - mask[0] / real).abs().amax(-1) < 1e-7  # [h,real]
+    assert ((~lazy).sum(-1) == 3).all()  # u_b = 3 active queries per head, not 5
+    samples, active = mech.row_sizes(1, n, n, mask)
+    assert samples.tolist() == [3] and active.tolist() == [3] and mech.sizes(n, n) == (5, 5)
 
 
 def test_probsparse_sizes_follow_the_official_rounding():
@@ -393,8 +453,8 @@ def test_padded_keys_get_zero_weight_and_lazy_mean_is_over_real_values():
     assert (res.probs.masked_select(~mask[:, None, None, :]) == 0).all()
     lazy = (res.probs - mask[:, None, None, :] / mask.sum(-1)[:, None, None, None]).abs()
     lazy = lazy.amax(-1) < 1e-7  # [b,h,n] rows equal to 1/L_b on the real keys
-    _, u = mech.sizes(13, 13)
-    assert (lazy.sum(-1) == mask.sum(-1)[:, None] - u).all()  # all real rows but the u active
+    _, u = mech.row_sizes(3, 13, 13, mask)  # u_b of each row's unpadded length
+    assert (lazy.sum(-1) == (mask.sum(-1) - u)[:, None]).all()  # all real rows but u_b active
     mean_v = (v * mask[:, None, :, None]).sum(2) / mask.sum(-1)[:, None, None]  # [b,h,dv]
     got = res.out[lazy]  # lazy rows' outputs
     want = mean_v[:, :, None, :].expand_as(res.out)[lazy]

@@ -65,8 +65,14 @@ def naive_routing(q, k, v, mu, window, key_mask=None):
     ks = ks.masked_fill(~valid[:, None, None, :], float("-inf"))
     if key_mask is not None and n == m:
         qs = qs.masked_fill(~valid[:, None, None, :], float("-inf"))
-    wq, wk = routing_windows(window, mu.shape[1], n, m)
-    mq, mk = members(qs, wq), members(ks, wk)  # [b,h,k,n], [b,h,k,m]
+    mq, mk = [], []  # per row: window 0 keeps ceil(L_b / k) of the row's unpadded length
+    for bi in range(b):
+        k_len = int(valid[bi].sum()) if key_mask is not None else m
+        q_len = k_len if (key_mask is not None and n == m) else n
+        wq, wk = routing_windows(window, mu.shape[1], q_len, k_len)
+        mq.append(members(qs[bi], wq))
+        mk.append(members(ks[bi], wk))
+    mq, mk = torch.stack(mq), torch.stack(mk)  # [b,h,k,n], [b,h,k,m]
     out = torch.zeros(b, h, n, v.shape[-1])
     probs = torch.zeros(b, h, n, m)
     for c in range(mu.shape[1]):
@@ -80,10 +86,12 @@ def naive_routing(q, k, v, mu, window, key_mask=None):
 def test_one_cluster_equals_dense_softmax_over_normalised_q_k():
     q, k, v = (t.requires_grad_() for t in qkv(n=11))
     mask = lengths_mask(11, [11, 6, 2])
+    real = mask[:, None, :, None]  # padded query rows: 0 with window 0 (outside w_b), unused
     for spec in ("routing(num_clusters=1)", "routing(num_clusters=1, window=40)"):
         mech = attnlab.build_mechanism(spec, attnlab.HeadDims(2, D)).eval()
-        out = mech(q, k, v, attnlab.AttnContext(key_mask=mask)).out
+        out = mech(q, k, v, attnlab.AttnContext(key_mask=mask)).out * real
         ref, _ = attnlab.reference_attention(ln(q), ln(k), v, key_mask=mask)
+        ref = ref * real
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
         g = torch.randn_like(out)
         for a, r in zip(torch.autograd.grad(out, (q, k, v), g),
@@ -93,7 +101,8 @@ def test_one_cluster_equals_dense_softmax_over_normalised_q_k():
 
 @pytest.mark.parametrize("clusters,window,n,m,padded", [
     (3, 5, 13, 13, False), (3, 5, 13, 13, True), (4, 0, 19, 19, True), (2, 3, 7, 7, False),
-    (5, 2, 9, 9, True), (3, 4, 6, 10, True), (3, 4, 10, 6, False),
+    (5, 2, 9, 9, True), (3, 4, 6, 10, True), (3, 4, 10, 6, False), (3, 0, 13, 13, False),
+    (3, 0, 9, 14, True),
 ])
 def test_matches_naive_reference(clusters, window, n, m, padded):
     q, k, v = (t.requires_grad_() for t in qkv(n=n, m=m, seed=n + m))

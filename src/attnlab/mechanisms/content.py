@@ -257,11 +257,13 @@ class LSH(nn.Module):
     training too (the paper resamples per step); rounds are chunked separately (trax / HF
     chunk the concatenation of all rounds, so there the first chunk of round r also sees
     the tail of round r-1; with one round both agree, tested against HF's
-    ``LSHSelfAttention``). ``wrap`` (default, as trax/HF): the first chunk looks back at
-    the last. No duplicate-pair correction across rounds (nor in trax/HF). 16-bit inputs
-    are computed in fp32. Not causal (``causal_ok=False``): masking j > i inside the windows
-    (trax/HF decoders) still lets future tokens' hashes choose which past keys share i's
-    chunk. ``lsh_attention`` is the functional form taking the rotations explicitly.
+    ``LSHSelfAttention``). Keys of another bucket inside the window are attended, as in
+    trax / HF (the paper's equations mask them, m(j, P_i) = inf for j not in P_i).
+    ``wrap`` (default, as trax/HF): the first chunk looks back at the last. No duplicate-pair
+    correction across rounds (nor in trax/HF). 16-bit inputs are computed in fp32. Not
+    causal (``causal_ok=False``): masking j > i inside the windows (trax/HF decoders) still
+    lets future tokens' hashes choose which past keys share i's chunk. ``lsh_attention`` is
+    the functional form taking the rotations explicitly.
     """
 
     example: ClassVar[str] = "lsh(buckets=4, chunk=4, num_hashes=2)"
@@ -381,9 +383,11 @@ def routing_attention(
     q~ = LN(q), k~ = LN(k) (layer norm without scale/bias, norm ~sqrt(d)); routing uses the
     unit vectors q^ = q~/sqrt(d), k^ = k~/sqrt(d): cluster c keeps the top-w_q queries by
     q^_i . mu_c and the top-w_k keys by k^_j . mu_c (padded keys, and padded queries when
-    n == m, rank last). Inside c: p_c(i, j) = softmax_j(q~_i . k~_j * scale) over its kept,
-    unpadded keys. A query kept by several clusters averages their outputs; a query kept by
-    none gets zeros (and zero probs). probs [b,h,n,m] (pre-dropout, averaged likewise).
+    n == m, rank last; with window 0 a padded row keeps w_b = ceil(L_b / k) of each, L_b its
+    unpadded length, as its unpadded sequence would). Inside c: p_c(i, j) =
+    softmax_j(q~_i . k~_j * scale) over its kept, unpadded keys. A query kept by several
+    clusters averages their outputs; a query kept by none gets zeros (and zero probs).
+    probs [b,h,n,m] (pre-dropout, averaged likewise).
     """
     b, h, n, d = q.shape
     m, dv = k.shape[2], v.shape[-1]
@@ -402,13 +406,21 @@ def routing_attention(
     k_sim = k_sim.masked_fill(~valid[:, None, None, :], float("-inf"))
     if key_mask is not None and n == m:  # self-attention: padded queries rank last too
         q_sim = q_sim.masked_fill(~valid[:, None, None, :], float("-inf"))
-    qidx = q_sim.topk(wq, dim=-1).indices  # kept queries per cluster [b,h,k,wq]
-    kidx = k_sim.topk(wk, dim=-1).indices  # kept keys per cluster [b,h,k,wk]
+    qidx = q_sim.topk(wq, dim=-1).indices  # kept queries per cluster, best first [b,h,k,wq]
+    kidx = k_sim.topk(wk, dim=-1).indices  # kept keys per cluster, best first [b,h,k,wk]
+    q_keep = k_keep = None  # [b,1,1,w]: the ranks a row keeps (window 0 under padding)
+    if window == 0 and key_mask is not None:  # w_b = ceil(L_b / k) of each unpadded row
+        k_len = valid.sum(-1)  # [b]
+        q_len = k_len if n == m else torch.full_like(k_len, n)
+        q_keep = (torch.arange(wq, device=dev) < -(-q_len // nk)[:, None])[:, None, None, :]
+        k_keep = (torch.arange(wk, device=dev) < -(-k_len // nk)[:, None])[:, None, None, :]
 
     qs = _gather_rows(qn, qidx)  # [b,h,k,wq,d]
     ks = _gather_rows(kn, kidx)  # [b,h,k,wk,d]
     vs = _gather_rows(v, kidx)  # [b,h,k,wk,dv]
     kvalid = torch.gather(valid[:, None, None, :].expand(b, h, nk, m), 3, kidx)  # [b,h,k,wk]
+    if k_keep is not None:
+        kvalid = kvalid & k_keep  # keys past the row's window are not kept
     probs = None
     if need_weights or (training and dropout > 0):
         scores = torch.matmul(qs, ks.transpose(-1, -2)) * scale  # [b,h,k,wq,wk]
@@ -419,8 +431,13 @@ def routing_attention(
         out_c = _cluster_sdpa(qs, ks, vs, kvalid, scale)  # [b,h,k,wq,dv]
 
     flat_q = qidx.reshape(b, h, nk * wq)  # [b,h,k*wq]
+    kept = out_c.new_ones(b, h, nk, wq)  # [b,h,k,wq]
+    if q_keep is not None:  # queries past the row's window are not kept
+        kept = kept * q_keep
+        out_c = out_c * kept[..., None]
+        probs = None if probs is None else probs * kept[..., None]
     count = q.new_zeros(b, h, n, dtype=out_c.dtype).scatter_add(
-        2, flat_q, out_c.new_ones(b, h, nk * wq))  # clusters keeping query i [b,h,n]
+        2, flat_q, kept.reshape(b, h, nk * wq))  # clusters keeping query i [b,h,n]
     denom = count.clamp(min=1.0)[..., None]  # [b,h,n,1]
     out = out_c.new_zeros(b, h, n, dv).scatter_add(
         2, flat_q[..., None].expand(-1, -1, -1, dv), out_c.reshape(b, h, nk * wq, dv))
@@ -456,11 +473,17 @@ class Routing(nn.Module):
     initialised from a generator seeded by ``seed``.
     Complexity O(n*k*d + k*w^2*d) time (+ O(n log n) top-w), O(k*w^2) memory.
     Padding: padded keys rank last in every cluster and are never attended (so are padded
-    queries when n == m); a row with no valid key gives zeros.
+    queries when n == m); with window = 0 a padded row keeps w_b = ceil(L_b / k) per cluster,
+    L_b its unpadded length, so its routing is its unpadded sequence's (padding-invariant);
+    a row with no valid key gives zeros.
     Deviations / notes: no commitment auxiliary loss (the paper uses EMA only); 16-bit inputs
-    are computed in fp32. Not causal (``causal_ok=False``): the balanced top-w ranking lets
-    future tokens push past tokens out of a cluster. ``routing_attention`` is the functional
-    form taking the centroids explicitly.
+    are computed in fp32. The official code (google-research routing_transformer) layer-norms
+    q after its 1/sqrt(d) scaling, so its logits are LN(q) . LN(k) unscaled, and its EMA keeps
+    running counts and sums (VQ-VAE style, unnormalised means); here the host's scale applies
+    and the centroids stay unit vectors (lucidrains: raw q, k with 1/sqrt(d)). Not causal
+    (``causal_ok=False``): the balanced top-w ranking lets future tokens push past tokens
+    out of a cluster. ``routing_attention`` is the functional form taking the centroids
+    explicitly.
     """
 
     example: ClassVar[str] = "routing(num_clusters=3, window=5)"

@@ -288,7 +288,9 @@ class ISAB(nn.Module):
     Deviations: the MAB's residual (H = I + ...), row-wise feed-forward and LayerNorms are
     not here (the host layer's own residual, FFN and LayerNorm follow the attention); I is
     N(0, 1) per head (the official code Xavier-initialises I in model space, before the
-    MAB's query projection). Padded keys are masked in A, so they never enter H; a batch
+    MAB's query projection); scores scale by 1/sqrt(d), d the head dim, as the paper (the
+    official MAB divides by sqrt(dim_V), the whole model width). Padded keys are masked in
+    A, so they never enter H; a batch
     element with no kept key gives 0. Not causal (every inducing point sees every key).
     ``need_weights`` returns the effective weights P A [b,h,n,m] (out = that @ V
     exactly). Dropout ``ctx.dropout`` applies to A and P in training mode.
@@ -399,7 +401,10 @@ class Luna(nn.Module):
     and raw-context keys are folded into P. Deviations: no pack projection (pq_proj) per
     layer (the inherited memory is used as the pack queries directly), the memory's
     LayerNorm has no affine parameters, no dropout on the memory. Padded keys are masked in
-    A. Not causal (the paper's causal Luna is a different, cumulative algorithm).
+    A. Both attentions are softmax, as the paper's and the official bidirectional Luna. Not
+    causal: the paper's causal Luna is a different, cumulative algorithm whose pack
+    activation is elu(.) + 1 or softplus (official ``LunarCausalAttention``: softplus with
+    beta = ln 2), normalised by the position, not a softmax.
     Scope "layer": head i of layer l feeds head i of the next luna layer, which a whole-layer
     mechanism guarantees. ``need_weights`` returns P_unpack A [b,h,n,m] (out = that @ V
     exactly). Dropout ``ctx.dropout`` applies to both attention matrices in training mode.

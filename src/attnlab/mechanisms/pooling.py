@@ -71,7 +71,9 @@ def pool_slots(x: torch.Tensor, keep: torch.Tensor, kappa: int, xi: int, how: st
     cover the sequence. mean: the mean of its kept tokens; max: their elementwise max;
     conv: sum_t weight[h,:,t] * x_{s*xi+t} (depthwise, padded tokens as zeros). A slot
     without kept tokens is 0. Returns (slots [b,h,S,e], count [b,S] kept tokens per slot,
-    start [S], end [S] token spans, inclusive).
+    start [S], end [b,S] token spans, inclusive). A row's slots are those of its unpadded
+    sequence: a slot's span ends at its last kept token, and slots past the ones covering
+    the row's last kept token hold no token (count 0), so right padding changes nothing.
     """
     b, h, n, e = x.shape
     S = 1 if n <= kappa else -(-(n - kappa) // xi) + 1
@@ -80,6 +82,9 @@ def pool_slots(x: torch.Tensor, keep: torch.Tensor, kappa: int, xi: int, how: st
     xp = F.pad(x * keep[:, None, :, None].to(x.dtype), (0, 0, 0, total - n))  # [b,h,total,e]
     win = xp.unfold(2, kappa, xi)  # [b,h,S,e,kappa]
     kw = kept.unfold(1, kappa, xi)  # [b,S,kappa]
+    extent = torch.where(keep.any(-1), n - keep.flip(-1).long().argmax(-1), 0)  # [b]
+    needed = torch.where(extent <= kappa, 1, -(-(extent - kappa) // xi) + 1)  # slots [b]
+    kw = kw & (torch.arange(S, device=x.device) < needed[:, None])[:, :, None]  # [b,S,kappa]
     count = kw.sum(-1)  # [b,S]
     if how == "mean":
         slots = win.sum(-1) / count.clamp(min=1)[:, None, :, None].to(x.dtype)
@@ -90,8 +95,10 @@ def pool_slots(x: torch.Tensor, keep: torch.Tensor, kappa: int, xi: int, how: st
     else:
         assert weight is not None
         slots = (win * weight.to(x.dtype)[None, :, None]).sum(-1)  # [b,h,S,e]
-    start = torch.arange(S, device=x.device) * xi
-    end = (start + kappa - 1).clamp(max=n - 1)
+    slots = slots * (count > 0)[:, None, :, None].to(x.dtype)  # slots past the row's end: 0
+    start = torch.arange(S, device=x.device) * xi  # [S]
+    last = start + (kappa - 1) - kw.flip(-1).long().argmax(-1)  # last kept token [b,S]
+    end = torch.where(count > 0, last, (start + kappa - 1).clamp(max=n - 1))  # [b,S]
     return slots, count, start, end
 
 
@@ -120,7 +127,8 @@ def slot_attention(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, ok: torc
     """Query i attends slot s when start_s >= i - w2 and end_s <= i + w2 (and end_s <= i
     when causal) and the slot holds a kept token; never builds n x S.
 
-    q [b,h,n,d], ks [b,h,S,d], vs [b,h,S,dv], ok [b,S] bool, start/end [S]. Queries come
+    q [b,h,n,d], ks [b,h,S,d], vs [b,h,S,dv], ok [b,S] bool, start [S], end [S] or [b,S]
+    (per row, see ``pool_slots``). Queries come
     in blocks of Bq; block u gathers the W = (Bq - 1 + 2*w2) // xi + 1 consecutive slots
     from the first whose start is >= u*Bq - w2 (every visible slot of the block is among
     them). Memory O(n*W). Returns (out [b,h,n,dv], slot probabilities [b,h,n,S] when
@@ -139,11 +147,12 @@ def slot_attention(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, ok: torc
     real = idx < S
     idx = idx.clamp(max=S - 1)
     i = (u0[:, None] + torch.arange(bq, device=dev))[:, :, None]  # [nb,bq,1]
-    st, en = start[idx][:, None, :], end[idx][:, None, :]  # [nb,1,W]
-    allowed = real[:, None, :] & (st >= i - window2) & (en <= i + window2)  # [nb,bq,W]
+    st = start[idx][:, None, :]  # [nb,1,W]
+    en = end.expand(b, S)[:, idx][:, :, None, :]  # [b,nb,1,W]
+    allowed = (real[:, None, :] & (st >= i - window2))[None] & (en <= i + window2)
     if causal:
         allowed = allowed & (en <= i)
-    allowed = allowed[None] & ok[:, idx][:, :, None, :]  # [b,nb,bq,W]
+    allowed = allowed & ok[:, idx][:, :, None, :]  # [b,nb,bq,W]
     qb = F.pad(q, (0, 0, 0, nb * bq - n)).view(b, h, nb, bq, d)
     kg, vg = ks[:, :, idx], vs[:, :, idx]  # [b,h,nb,W,d], [b,h,nb,W,dv]
     if not dense_probs and p == 0:  # torch's fused kernel: no [b,h,nb,bq,W] scores kept
@@ -179,7 +188,9 @@ class Poolingformer(nn.Module):
     (z_i = softmax(q_i Kbar^T / sqrt(d)) Vbar), i.e. both levels in parallel over the input.
     Pooling: "mean" and "max" over the slot's kept tokens (a slot of padding only is
     masked), "conv": a learned depthwise kernel [h,d,kappa] per head, initialised to
-    1/kappa (mean pooling over the full span, padding counted as zeros).
+    1/kappa (mean pooling over the full span, padding counted as zeros). A slot's span
+    ends at its last kept token, so a right-padded row sees the slots its unpadded
+    sequence would (padding-invariant outputs).
     Causal: level 1 is causal band; a slot is visible only when its whole span is at or
     before i (end_s <= i), so pooled slots never mix future tokens.
     Deviations: the paper's second level has its own projections W'_Q, W'_K, W'_V of y;
@@ -231,7 +242,7 @@ class Poolingformer(nn.Module):
         first = self.level1(q, k, v, ctx)
         y = first.out  # [b,h,n,dv]
         p = ctx.dropout if self.training else 0.0
-        spans: list[torch.Tensor] = []  # count [b,S], start [S], end [S]: the same per group
+        spans: list[torch.Tensor] = []  # count [b,S], start [S], end [b,S]: the same per group
 
         def level2(*parts) -> AttnOutput:
             """Level 2 for a group of g heads; parts: (y,) stacked or (q, k, v), then the
@@ -261,8 +272,8 @@ class Poolingformer(nn.Module):
         if ctx.need_weights:
             assert first.probs is not None and slot_p is not None
             tok = torch.arange(n, device=q.device)[None, :]  # [1,n]
-            span = (tok >= start[:, None]) & (tok <= end[:, None])  # [S,n]
-            member = (span[None] & keep[:, None, :]).to(slot_p.dtype)  # [b,S,n]
+            span = (tok >= start[:, None])[None] & (tok <= end[:, :, None])  # [b,S,n]
+            member = (span & keep[:, None, :]).to(slot_p.dtype)  # [b,S,n]
             pool_mat = member / count.clamp(min=1)[:, :, None].to(slot_p.dtype)
             via = slot_p @ pool_mat[:, None]  # [b,h,n,n]
             weights = first.probs + (via @ first.probs if c.stacked else via)

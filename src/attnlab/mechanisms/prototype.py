@@ -42,7 +42,7 @@ from .jat import probsparse_sizes
 
 __all__ = ["ClusterDraws", "cluster_queries", "clustered_attention", "draw_clustering",
            "improved_clustered_attention", "probsparse_attention", "probsparse_keys",
-           "probsparse_sizes"]
+           "probsparse_row_sizes", "probsparse_sizes"]
 
 DRAW_RANGE = 2**31  # probsparse draws r are uniform integers in [0, 2^31)
 
@@ -405,15 +405,23 @@ def probsparse_keys(draws: torch.Tensor, kvalid: torch.Tensor) -> torch.Tensor:
     return real_first.gather(1, pos.reshape(b, n * num)).view(b, n, num)
 
 
+def probsparse_row_sizes(lengths: torch.Tensor, factor: int) -> torch.Tensor:
+    """``probsparse_sizes`` of each unpadded length L_b [b]: min(c*ceil(ln L_b), L_b) [b]."""
+    sizes = [probsparse_sizes(int(n), factor)[0] for n in lengths.tolist()]
+    return torch.tensor(sizes, dtype=torch.long, device=lengths.device)
+
+
 @torch.no_grad()
 def sparsity_measure(
-    q: torch.Tensor, k: torch.Tensor, keys: torch.Tensor, lengths: torch.Tensor,
+    q: torch.Tensor, k: torch.Tensor, keys: torch.Tensor, samples: torch.Tensor | None = None,
     chunk_elems: int = 2**21,
 ) -> torch.Tensor:
-    """M(q_i, K) = max_s q_i . k_s - (1/L_b) sum_s q_i . k_s over the sampled keys s [b,h,n].
+    """M(q_i, K) = max_s q_i . k_s - mean_s q_i . k_s over the sampled keys s [b,h,n].
 
-    q [b,h,n,d], k [b,h,m,d], keys [b,n,U] sampled key indices, lengths L_b [b] (official:
-    divided by L_K; raw scores, no 1/sqrt(d): the ranking is the same). Computed in query
+    q [b,h,n,d], k [b,h,m,d], keys [b,n,U] sampled key indices; samples U_b [b] (long): row b
+    uses its first U_b samples (None: all U); U_b = 0 gives M = 0. The paper's Algorithm 1
+    (M = max(S) - mean(S) by row; the official code divides the sum by L_K, see ProbSparse).
+    Raw scores, no 1/sqrt(d): the ranking is the same. Computed in query
     chunks of at most ``chunk_elems`` gathered key entries (memory O(chunk), no gradient;
     the default, 8 MB in fp32, stays below glibc's mmap ceiling, see core/slicing.py). The
     sampled keys are whole rows of k, copied with ``index_select`` per batch row (the draws
@@ -423,6 +431,11 @@ def sparsity_measure(
     num = keys.shape[-1]
     if num == 0:  # one key (ln 1 = 0): nothing sampled, every query ranks the same
         return q.new_zeros(b, h, n)
+    count = (torch.full((b,), num, dtype=torch.long, device=q.device) if samples is None
+             else samples.to(device=q.device).clamp(max=num))  # U_b [b]
+    used = (torch.arange(num, device=q.device) < count[:, None])[:, None, None, :]  # [b,1,1,U]
+    denom = count.clamp(min=1).to(q.dtype)[:, None, None]  # [b,1,1]
+    some = (count > 0)[:, None, None]  # [b,1,1]
     step = max(1, chunk_elems // (b * h * num * d))
     parts = []
     for s0 in range(0, n, step):
@@ -435,47 +448,56 @@ def sparsity_measure(
                                for i in range(b)])  # [b,h,c*U,d]
         k_s = k_s.view(b, h, c, num, d)  # sampled keys [b,h,c,U,d]
         qk = torch.einsum("bhcd,bhcud->bhcu", q[:, :, s0:s0 + step], k_s)  # [b,h,c,U]
-        parts.append(qk.amax(-1) - qk.sum(-1) / lengths.clamp(min=1)[:, None, None])
+        top = qk.masked_fill(~used, float("-inf")).amax(-1)  # [b,h,c]
+        mean = qk.masked_fill(~used, 0.0).sum(-1) / denom  # [b,h,c]
+        parts.append(torch.where(some, top - mean, torch.zeros_like(mean)))
     return torch.cat(parts, dim=2)  # [b,h,n]
 
 
 def probsparse_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, draws: torch.Tensor, *, active: int,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, draws: torch.Tensor, *,
+    active: int | torch.Tensor, samples: torch.Tensor | None = None,
     key_mask: torch.Tensor | None = None, scale: float | None = None, dropout: float = 0.0,
     training: bool = False, need_weights: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """ProbSparse self-attention (bidirectional) for given draws; (out [b,h,n,dv], weights).
 
-    draws r [n, U] (see ``probsparse_keys``); ``active`` = u queries with the largest M get
-    softmax(q_i K^T * scale) V over the unpadded keys; the others the mean of the unpadded
-    values. Padded queries (n == m with a key mask) are never preferred and output zeros.
+    draws r [n, U] (see ``probsparse_keys``); ``samples`` U_b [b]: row b ranks its queries by
+    M over its first U_b samples (None: all U); ``active`` u (an int, or u_b [b] per row):
+    the u_b queries of row b with the largest M get softmax(q_i K^T * scale) V over the
+    unpadded keys; the others the mean of the unpadded values. Padded queries (n == m with a
+    key mask) are never preferred and output zeros.
     weights [b,h,n,m]: the softmax rows, 1/L_b on unpadded keys for lazy rows (pre-dropout).
     """
     b, h, n, d = q.shape
     m, dv = k.shape[2], v.shape[-1]
     scale = d**-0.5 if scale is None else scale
     kvalid, qvalid = _valid(key_mask, b, n, m, q.device)
-    lengths = kvalid.sum(-1)  # L_b [b]
-    count = lengths.clamp(min=1).to(v.dtype)[:, None, None, None]  # [b,1,1,1]
-    v_real = v.masked_fill(~kvalid[:, None, :, None], 0.0)  # [b,h,m,dv]
-    out = (v_real.sum(2, keepdim=True) / count).expand(b, h, n, dv)  # lazy: mean of V
+    count = kvalid.sum(-1).clamp(min=1).to(v.dtype)[:, None, None, None]  # L_b [b,1,1,1]
+    mean_v = v.masked_fill(~kvalid[:, None, :, None], 0.0).sum(2, keepdim=True) / count
+    out = mean_v.expand(b, h, n, dv)  # lazy: mean of V
     lazy_w = (kvalid[:, None, None, :].to(v.dtype) / count).expand(b, h, n, m)
+    per_row = torch.as_tensor(active, dtype=torch.long, device=q.device).expand(b)  # u_b [b]
+    most = min(active if isinstance(active, int) else int(per_row.max()) if b else 0, n)
     top = torch.zeros(b, h, 0, dtype=torch.long, device=q.device)  # active queries [b,h,u]
-    if active > 0:
+    if most > 0:
         keys = probsparse_keys(draws, kvalid)  # [b,n,U]
-        meas = sparsity_measure(q, k, keys, lengths)  # M [b,h,n]
+        meas = sparsity_measure(q, k, keys, samples)  # M [b,h,n]
         meas = meas.masked_fill(~qvalid[:, None, :], float("-inf"))  # padding ranks last
-        top = meas.topk(active, dim=-1).indices  # the u largest M [b,h,u]
+        # the largest M first, ties to the lower position (stable: the same on every device)
+        top = meas.sort(dim=-1, descending=True, stable=True).indices[..., :most]  # [b,h,u]
+    # rank r of row b is active when r < u_b [b,1,u,1]
+    act = (torch.arange(top.shape[-1], device=q.device) < per_row[:, None])[:, None, :, None]
     q_r = q.gather(2, top[..., None].expand(-1, -1, -1, d))  # [b,h,u,d]
     scores = q_r @ k.transpose(-1, -2) * scale  # [b,h,u,m]
     probs = masked_softmax(scores, kvalid[:, None, None, :].expand(scores.shape))  # [b,h,u,m]
-    o_r = _drop(probs, dropout, training) @ v  # [b,h,u,dv]
+    o_r = torch.where(act, _drop(probs, dropout, training) @ v, mean_v)  # [b,h,u,dv]
     out = out.scatter(2, top[..., None].expand(-1, -1, -1, dv), o_r)  # [b,h,n,dv]
-    keep = qvalid[:, None, :, None]  # [b,1,n,1]
-    out = out * keep
+    out = out * (keep := qvalid[:, None, :, None])  # padded queries: 0 [b,1,n,1]
     weights = None
     if need_weights:
-        weights = lazy_w.scatter(2, top[..., None].expand(-1, -1, -1, m), probs) * keep
+        p_r = torch.where(act, probs, lazy_w[:, :, :1].expand_as(probs))  # [b,h,u,m]
+        weights = lazy_w.scatter(2, top[..., None].expand(-1, -1, -1, m), p_r) * keep
     return out, weights
 
 
@@ -498,9 +520,9 @@ class ProbSparse(nn.Module):
     Paper: Zhou, Zhang, Peng, Zhang, Li, Xiong, Zhang, "Informer: Beyond Efficient
     Transformer for Long Sequence Time-Series Forecasting", AAAI 2021 (code:
     zhouhaoyi/Informer2020, ``ProbAttention``).
-    Formula: U = min(c*ceil(ln m), m) keys s are sampled per query (with replacement, one
-    draw shared by batch and heads); M(q_i, K) = max_s q_i . k_s - (1/L_K) sum_s q_i . k_s
-    (raw scores, as the official code: the sum over the samples divided by L_K); the
+    Formula (the paper's Algorithm 1): U = min(c*ceil(ln m), m) keys s are sampled per query
+    (with replacement, one draw shared by batch and heads); M(q_i, K) = max_s q_i . k_s -
+    mean_s q_i . k_s over the U sample scores ("M = max(S) - mean(S) by row"); the
     u = min(c*ceil(ln n), n) queries with the largest M get softmax(q_i K^T / sqrt(d)) V, the
     others ("lazy") the mean of V. ceil(ln .) as the official ``np.ceil(np.log(L))``; sizes
     from ``jat.probsparse_sizes`` (the same rule). Large c (u = n) is exactly softmax.
@@ -509,13 +531,16 @@ class ProbSparse(nn.Module):
     every call (the official code redraws every call, eval too); eval uses a fixed draw per
     (seed, layer_idx, n), so it is deterministic. ``draws(n, m, layer_idx)`` returns it,
     ``probsparse_keys`` maps it to key indices.
-    Padding: samples are drawn among each row's L_b unpadded keys and M divides by L_b
-    (official: no padding, L_b = L_K); padded keys get zero weight, the lazy mean is over the
-    unpadded values; padded queries (self-attention, n == m) rank below every real query and
-    output zeros. ``need_weights``: softmax rows for active queries, 1/L_b on the unpadded
-    keys for lazy ones (official: 1/L_V), so out == weights @ v.
-    Deviations: dropout ``ctx.dropout`` applies to the active rows (the official module
-    defines a dropout it never applies); 16-bit inputs are computed in fp32.
+    Padding: a row has its unpadded sequence's sizes (official: no padding): U_b samples (the
+    first U_b draws) among its L_b unpadded keys, u_b from its real query count (or n), so its
+    sparsity does not depend on the batch's padding; padded keys get zero weight, the lazy
+    mean is over the unpadded values; padded queries rank last and output zeros. Ties in M go
+    to the lower position. ``need_weights``: softmax rows for active queries, 1/L_b on the
+    unpadded keys for lazy ones (official: 1/L_V), so out == weights @ v.
+    Deviations: the official code divides the sample sum by L_K, not U (its authors: sample_k
+    "can be used to take the mean", Informer2020 issue #211; equal when U = L_K); dropout
+    ``ctx.dropout`` applies to the active rows (the official module never applies its
+    dropout); 16-bit inputs are computed in fp32.
     Not causal (caps.causal_ok=False): the official masked form (ProbMask on the active rows,
     cumulative *sum* of V for lazy rows) samples future keys into M and picks the top-u over
     all positions, so a future token can move a past query between the active and lazy sets;
@@ -541,8 +566,16 @@ class ProbSparse(nn.Module):
         """(U sampled keys per query, u active queries) for n queries and m keys."""
         return probsparse_sizes(m, self.cfg.factor)[0], probsparse_sizes(n, self.cfg.factor)[1]
 
+    def row_sizes(self, b: int, n: int, m: int, key_mask: torch.Tensor | None,
+                  device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(U_b, u_b) [b] each: ``sizes`` of each row's unpadded key and query counts."""
+        kvalid, qvalid = _valid(key_mask, b, n, m, device or torch.device("cpu"))
+        return (probsparse_row_sizes(kvalid.sum(-1), self.cfg.factor),
+                probsparse_row_sizes(qvalid.sum(-1), self.cfg.factor))
+
     def draws(self, n: int, m: int, layer_idx: int) -> torch.Tensor:
-        """The draws r [n, U] (uniform in [0, 2^31)) a call would use in the current mode."""
+        """The draws r [n, U] (uniform in [0, 2^31)) a call would use in the current mode
+        (U for the padded length m; a padded row uses its first U_b columns)."""
         num, _ = self.sizes(n, m)
         gen = self.streams.generator(layer_idx, n, self.training)
         return torch.randint(DRAW_RANGE, (n, num), generator=gen)
@@ -557,10 +590,11 @@ class ProbSparse(nn.Module):
         n, m, d = q.shape[2], k.shape[2], q.shape[3]
         dtype = q.dtype
         qw, kw, vw = _work(q, k, v)
-        _, u = self.sizes(n, m)
+        samples, active = (None, self.sizes(n, m)[1]) if ctx.key_mask is None else (
+            self.row_sizes(q.shape[0], n, m, ctx.key_mask, q.device))
         out, probs = probsparse_attention(
-            qw, kw, vw, self.draws(n, m, ctx.layer_idx), active=u, key_mask=ctx.key_mask,
-            scale=ctx.scale_for(d), dropout=ctx.dropout, training=self.training,
-            need_weights=ctx.need_weights,
+            qw, kw, vw, self.draws(n, m, ctx.layer_idx), active=active, samples=samples,
+            key_mask=ctx.key_mask, scale=ctx.scale_for(d), dropout=ctx.dropout,
+            training=self.training, need_weights=ctx.need_weights,
         )
         return AttnOutput(out.to(dtype), None if probs is None else probs.to(dtype))
