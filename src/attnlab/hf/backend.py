@@ -31,7 +31,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..core import AttnContext, HeadDims, Mechanism, build_mechanism
 from ..core.protocol import TASK_ID
-from .fused import LOCAL_PATTERN, local_pattern, run_mechanism
+from .fused import LOCAL_PATTERN, local_pattern, mask_allows, run_mechanism
 from .prefix import extend_kv
 
 BACKEND = "attnlab"  # the name registered in AttentionInterface / AttentionMaskInterface
@@ -325,18 +325,14 @@ def recording() -> Iterator[AttentionRecorder]:
 def key_mask_from_hf(mask: torch.Tensor | None, b: int, m: int) -> torch.Tensor | None:
     """transformers' attention mask -> key mask [b, m] bool (True = keep).
 
-    Accepts bool masks (True = attend) and additive float masks (0 = attend, a very
-    negative number or -inf = not), 2-D [b, m] or 4-D [b, 1|h, n, m]. A key is kept when
-    any query may attend it; a causal pattern inside the mask is carried by ``ctx.causal``.
+    Accepts bool masks (True = attend), additive float masks (0 = attend; -inf, the
+    dtype's minimum or the legacy -10000, anything at most ``fused.ADDITIVE_MASKED`` = not)
+    and 0/1 integer masks, 2-D [b, m] or 4-D [b, 1|h, n, m]. A key is kept when any query
+    may attend it; a causal pattern inside the mask is carried by ``ctx.causal``.
     """
     if mask is None:
         return None
-    if mask.dtype == torch.bool:
-        allowed = mask
-    elif mask.is_floating_point():
-        allowed = mask > torch.finfo(mask.dtype).min / 2  # -inf and finfo.min both drop
-    else:
-        allowed = mask != 0  # 0/1 integer padding mask
+    allowed = mask_allows(mask)
     if allowed.dim() == 4:
         allowed = allowed[..., -m:].flatten(1, 2).any(1)  # [b,m]
     elif allowed.dim() != 2:

@@ -75,12 +75,20 @@ def layer_windows(attention: Sequence[nn.Module], config: Any) -> tuple[int | No
     )
 
 
-def _allowed(mask: torch.Tensor) -> torch.Tensor:
-    """transformers' mask (bool True = attend, or additive float 0 / very negative) -> bool."""
+# An additive float mask drops a pair whose value is at or below this. transformers' own
+# masks use the dtype's minimum or -inf; BERT-style models that build their own (MarkupLM)
+# and hand-made 4-D masks use (1 - mask) * -10000. exp(-1000) is 0 in every float dtype, so
+# softmax gives such a pair no weight either way.
+ADDITIVE_MASKED = -1e3
+
+
+def mask_allows(mask: torch.Tensor) -> torch.Tensor:
+    """transformers' mask -> bool, True = may attend: a bool mask as is, an additive float
+    mask (0 = attend, at most :data:`ADDITIVE_MASKED` = not), a 0/1 integer mask."""
     if mask.dtype == torch.bool:
         return mask
     if mask.is_floating_point():
-        return mask > torch.finfo(mask.dtype).min / 2
+        return mask > ADDITIVE_MASKED
     return mask != 0
 
 
@@ -94,7 +102,7 @@ def local_pattern(mask: torch.Tensor | None, sliding_window: int | None,
     """
     if sliding_window is None or mask is None or mask.dim() != 4:
         return None
-    allowed = _allowed(mask)[..., -m:]  # [b,1|h,n,m0]
+    allowed = mask_allows(mask)[..., -m:]  # [b,1|h,n,m0]
     extra = m - allowed.shape[-1]
     if extra > 0:
         allowed = F.pad(allowed, (extra, 0), value=True)  # [b,1|h,n,m]

@@ -538,6 +538,7 @@ def apply_plan(model: nn.Module, plan: Any, *, max_len: int | None = None,
             params_removed += sum(p.numel() for lin in old_qk for p in lin.parameters())
             params_added += sum(p.numel() for lin in new_qk for p in lin.parameters())
         new = AttnlabLayer(layer, host.num_heads, groups, holder, kv_heads=kv, head_dims=hd)
+        new.train(attn.training)  # the host's mode: a model in eval stays in eval
         setattr(attn, LAYER_ATTR, new)
         params_added += sum(p.numel() for p in new.parameters() if id(p) not in counted)
         counted.update(id(p) for p in new.parameters())  # tied parameters count once
