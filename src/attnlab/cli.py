@@ -7,6 +7,7 @@ tests/test_architecture.py checks it), so the imports inside functions here are 
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 from pathlib import Path
@@ -19,7 +20,7 @@ from rich.table import Table
 from .cli_analyze import analyze_app, report
 from .cli_bench import bench_jat, bench_lra, bench_record, bench_sparse, bench_speed
 from .cli_data import app as data_app
-from .cli_errors import at_least, fail, folder_option, set_debug, user_errors
+from .cli_errors import at_least, fail, folder_option, on_interrupt, set_debug, user_errors
 from .cli_tlm import tlm_app
 
 app = typer.Typer(
@@ -210,7 +211,8 @@ def _run_and_report(cfg, resume: bool, overwrite: bool, keep_checkpoints: bool) 
         cfg, note = fresh_run(cfg, resume=resume, overwrite=overwrite)
         if note:
             console.print(note, markup=False)
-        summary = run_experiment(cfg, resume=resume)
+        with on_interrupt(lambda: _resume_note(cfg.run_dir)):
+            summary = run_experiment(cfg, resume=resume)
     if not summary["is_main_process"]:
         return
     table = Table(title=f"{cfg.name}: {summary['task']} ({summary['tuning']})")
@@ -224,6 +226,14 @@ def _run_and_report(cfg, resume: bool, overwrite: bool, keep_checkpoints: bool) 
     console.print(table)
     console.print(f"best dev metrics: {json.dumps(summary['best_eval'])}")
     console.print(f"run directory: {cfg.run_dir}")
+
+
+def _resume_note(run_dir: Path) -> str:
+    """What an interrupted run left, and the command that continues it."""
+    if not (run_dir / "config.yaml").is_file():
+        return f"stopped before {run_dir} was written; nothing to resume"
+    return (f"{run_dir} keeps its last checkpoint; continue it with: attnlab run "
+            f"{run_dir}/config.yaml --resume")
 
 
 @app.command()
@@ -240,8 +250,10 @@ def quickstart(
 
     with user_errors():
         cfg = quickstart_config(data_dir, overrides)
-    console.print(f"[bold]quickstart[/]: CoLA from {cfg.task.data_dir}, "
-                  f"{cfg.train.epochs:g} epoch(s), batch {cfg.train.batch_size}")
+    length = (f"{cfg.train.max_steps} step(s)" if cfg.train.max_steps is not None
+              else f"{cfg.train.epochs:g} epoch(s)")
+    console.print(f"[bold]quickstart[/]: CoLA from {cfg.task.data_dir}, {length}, "
+                  f"batch {cfg.train.batch_size}")
     _run_and_report(cfg, False, overwrite, keep_checkpoints)
 
 
@@ -263,7 +275,9 @@ def compare(
     config: Annotated[str | None, typer.Argument(help="Base YAML config.")] = None,
     overrides: Overrides = None,
     vary: Annotated[list[str] | None, typer.Option(
-        help="key=v1,v2 (repeatable); plan values are named plans or LAYERS:HEADS:SPEC rules."
+        help="key=v1,v2 (repeatable); plan values are named plans or LAYERS:HEADS:SPEC "
+             "rules; separate values with '|' when one holds a comma: "
+             "plan=baseline|0,2:all:band(window=8)."
     )] = None,
     seeds: Annotated[int, typer.Option(help="Seeds per variant (0..N-1).")] = 3,
     resume: Annotated[bool, typer.Option(
@@ -294,12 +308,15 @@ def compare(
         cfg, note = fresh_run(cfg, resume=resume, overwrite=overwrite)
         if note:
             console.print(note, markup=False)
-    with user_errors():
+    with user_errors(), on_interrupt(lambda: (
+            f"{cfg.run_dir} keeps the finished runs and the last checkpoints of the others; "
+            f"continue it: the same command with name={cfg.name} --resume")):
         rows, out = run_compare(cfg, parse_vary(vary or []), seeds, run_experiment,
                                 resume=resume, parallel=parallel, best_seeds=best_seeds,
                                 versus=versus)
-    console.print(to_markdown(rows), markup=False)
-    console.print(f"saved {out}/comparison.md, comparison.csv, comparison.png")
+    console.print(to_markdown(rows), markup=False, soft_wrap=True)  # Markdown rows whole
+    console.print(f"saved {out}/comparison.md, comparison.csv, comparison.json, comparison.png",
+                  markup=False, soft_wrap=True)
 
 
 @app.command()
@@ -331,7 +348,7 @@ def collect(
             rows = add_versus(rows, versus)
         write_collected(rows, out, show, matrix=matrix)
     main = "matrix" if matrix else "comparison"
-    console.print((out / f"{main}.md").read_text(), markup=False)
+    console.print((out / f"{main}.md").read_text(), markup=False, soft_wrap=True)
     extra = "matrix.md, matrix.png" if matrix else "comparison.png"
     console.print(f"saved {out}/comparison.md, comparison.csv, comparison.json, {extra}")
 
@@ -370,6 +387,25 @@ bench_app.command("speed")(bench_speed)
 bench_app.command("jat")(bench_jat)
 bench_app.command("lra")(bench_lra)
 bench_app.command("record")(bench_record)
+
+
+def _tidy_help(typer_app: typer.Typer) -> None:
+    """Each command's docstring as its help, shown as written: typer's rich mode keeps the
+    docstring's line breaks (a paragraph would break mid-sentence) and reads brackets as
+    markup (``C[i, j]`` would vanish), so each paragraph becomes one line, brackets escaped."""
+    from rich.markup import escape
+
+    for info in typer_app.registered_commands:
+        text = info.help or (info.callback.__doc__ if info.callback else None)
+        if text:
+            info.help = "\n\n".join(escape(" ".join(p.splitlines()))
+                                     for p in inspect.cleandoc(text).split("\n\n"))
+    for group in typer_app.registered_groups:
+        if group.typer_instance is not None:
+            _tidy_help(group.typer_instance)
+
+
+_tidy_help(app)
 
 
 def main() -> None:  # pragma: no cover

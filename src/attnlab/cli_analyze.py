@@ -274,7 +274,7 @@ def links(
     sentences: Annotated[int, typer.Option(help="The first N examples of the split.")] = 16,
     rho: Annotated[str, typer.Option(
         help="Thresholds rho, comma-separated (JAT links i and j through key k when "
-             "S[i,k] S[j,k] / (d max(|K_k|, 1)) >= rho).")] = "5,10",
+             r"S\[i,k] S\[j,k] / (d max(|K_k|, 1)) >= rho).")] = "5,10",  # \[: not markup
     heads: Annotated[str, typer.Option(
         help="Heads of every layer: all, even (JAT's in the paper's recipe), odd, or 0-based "
              "indices such as 0,2.")] = "all",

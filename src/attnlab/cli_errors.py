@@ -4,7 +4,8 @@ The one home of the CLI's error handling, shared by every ``cli*`` module: the `
 switch (``attnlab --debug CMD`` shows the traceback instead), ``fail`` (the one-line
 printer), ``user_errors`` (turns the exceptions that mean bad input into ``fail``) and
 ``positive_ints`` / ``at_least`` (lengths and counts) and ``folder_option`` /
-``file_option`` (output paths), all checked before any work.
+``file_option`` (output paths), all checked before any work; ``on_interrupt`` says what
+Ctrl-C left and how to continue.
 Anything else is a bug and keeps its traceback.
 
 The message is printed as text, not rich markup, so shapes such as ``[b, h, n]`` in a
@@ -13,7 +14,7 @@ message reach the user whole; only its first line is shown (the rest is for ``--
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import NoReturn
@@ -104,6 +105,21 @@ def message_of(error: BaseException) -> str:
     if isinstance(error, KeyError) and error.args:
         return str(error.args[0])
     return str(error)
+
+
+@contextmanager
+def on_interrupt(note: Callable[[], str]) -> Iterator[None]:
+    """Ctrl-C inside: print ``interrupted: <note()>`` (what is kept, how to continue, as it
+    stands then) and exit with status 130, the shell's for SIGINT (``--debug``: the
+    traceback)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        if _STATE["debug"]:
+            raise
+        _console.print(Text.assemble("\n", ("interrupted:", "bold yellow"), " ", note()),
+                       soft_wrap=True)  # "\n": off a progress bar's unfinished line
+        raise typer.Exit(code=130) from None
 
 
 @contextmanager

@@ -26,6 +26,7 @@ from typing import Annotated, Any, cast
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from .cli_errors import user_errors
 
@@ -175,6 +176,6 @@ def _report(run_dir: Path, result: dict) -> None:
     console.print(table)
     console.print(f"best dev metrics: {json.dumps(result['best_eval'])}", markup=False)
     if result.get("degenerate"):
-        console.print(f"[bold yellow]warning:[/] stage 2: {result['degenerate']} (here: "
-                      "stage2.max_steps, stage2.lr)", soft_wrap=True)
+        console.print(Text.assemble(("warning:", "bold yellow"),
+                                    f" stage 2: {result['degenerate']}"), soft_wrap=True)
     console.print(f"run directory: {run_dir}", markup=False, soft_wrap=True)

@@ -21,6 +21,7 @@ import io
 import itertools
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -63,8 +64,22 @@ def parse_vary(items: list[str]) -> list[tuple[str, list[str]]]:
         values = [v.strip() for v in pieces if v.strip()]
         if not values:
             raise ConfigError(f"--vary {item!r} lists no values")
+        if key.strip() == "plan" and "|" not in vals:
+            for v in values:
+                if _cut_rule(v):
+                    raise ConfigError(
+                        f"--vary {item!r}: {v!r} is no plan: a comma in a rule's layers or "
+                        "heads split it; separate the values with '|' instead, e.g. "
+                        "'plan=baseline|0,2:all:band(window=8)'")
         out.append((key.strip(), values))
     return out
+
+
+def _cut_rule(piece: str) -> bool:
+    """Whether a comma-split ``plan`` value is a piece of a rule, not a plan: a bare index
+    or range (``0``, ``2-3``) or a rule missing its first field (``2:band(window=8)``)."""
+    top = re.sub(r"\([^()]*\)|\[[^\[\]]*\]", "", piece)  # the spec's arguments aside
+    return bool(re.fullmatch(r"\d+(-\d+)?", top.strip())) or top.count(":") == 1
 
 
 def _split_commas(text: str) -> list[str]:

@@ -82,7 +82,7 @@ def run_demo(
     base.eval()
     batch = tokenizer(sentences or SENTENCES, padding=True, return_tensors="pt")
     resolved, selection = resolve_for_model(plan or DEFAULT_PLAN, base, tokenizer, analysis,
-                                            name="default")
+                                            name="default", option="--analysis")
     if selection is not None and echo is not None:
         echo(str(selection))
     modified = copy.deepcopy(base)

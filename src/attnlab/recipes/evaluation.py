@@ -63,11 +63,14 @@ def make_evaluator(task, splits: dict[str, tuple[list, list]], tokenizer, seed: 
 
 
 def degenerate_warning(one_class: list[bool], evals: list[dict], best_step: int | None,
-                       steps: int, lr: float) -> str | None:
+                       steps: int, lr: float, *, by_steps: bool = False,
+                       section: str = "train", lr_key: str = "optim.lr") -> str | None:
     """A message when the kept model predicted one class for every dev example (MCC 0, the
     majority-class accuracy), else None. ``one_class`` holds this process's evaluations:
     the last ``len(one_class)`` of ``evals``, or, after a finalize (Diff-Prune), more than
-    ``evals`` with the reported model's last."""
+    ``evals`` with the reported model's last. The fix names the config's own keys:
+    ``{section}.max_steps`` when ``by_steps`` (the run's length is set by it, not by
+    ``{section}.epochs``), and ``lr_key``."""
     if not one_class:
         return None
     if len(one_class) > len(evals):  # finalized: the last evaluation is the result
@@ -78,9 +81,11 @@ def degenerate_warning(one_class: list[bool], evals: list[dict], best_step: int 
         kept = (at_best or one_class[-1:])[0]
     if not kept:
         return None
+    more = (f"raise {section}.max_steps, which overrides {section}.epochs" if by_steps
+            else f"raise {section}.epochs")
     return (f"the kept model predicts one class for every dev example (after {steps} steps "
             f"at lr {lr:g}): it learned only the majority class. Likely causes: too few "
-            "steps (raise train.epochs) or a learning rate too low or too high (optim.lr).")
+            f"steps ({more}) or a learning rate too low or too high ({lr_key}).")
 
 
 def eval_splits_of(cfg: ExperimentConfig, task) -> tuple[str, ...]:

@@ -44,7 +44,7 @@ from ..tuning.accounting import count_parameters
 from ..tuning.base import TaskInfo, resolve_tuning, save_tuned
 from .evaluation import degenerate_warning, eval_splits_of, make_evaluator, subset
 from .head_select import Selection, resolve_run_plan
-from .preflight import preflight
+from .preflight import nonempty, preflight
 from .rundir import finished_summary, now, provenance, prune_finished
 from .runmodel import apply_run_plan, build_model, load_run_model, task_kind
 from .summary import RunSummary, write_summary
@@ -121,7 +121,7 @@ def _run_experiment(cfg: ExperimentConfig, resume: bool, stop_after: int | None,
         if summary.head_overlap is not None:
             print(format_overlap(summary.head_overlap["before"], summary.head_overlap["after"]))
         if summary.degenerate:  # loud, at the end of the run's output
-            print(f"\n*** WARNING ({cfg.name}): {summary.degenerate}\n", file=sys.stderr)
+            print(f"\n*** WARNING ({cfg.run_dir}): {summary.degenerate}\n", file=sys.stderr)
         summary = replace(summary, finished=now(), wall_seconds=time.perf_counter() - t0)
         write_summary(cfg.run_dir, summary)  # last: the run is complete
     accelerator.wait_for_everyone()
@@ -157,10 +157,12 @@ def _prepare(cfg: ExperimentConfig, accelerator) -> _Run:
     """Data (first: a run that cannot start writes nothing), the run folder, the model with
     its plan and tuner, the encoded features and the evaluator."""
     task = get_task(cfg.task.name)
-    train_ex = subset(task.load(cfg.task.train_split or task.train_split, cfg.task.data_dir),
+    train_split = cfg.task.train_split or task.train_split
+    train_ex = subset(nonempty(task.load(train_split, cfg.task.data_dir), cfg, train_split),
                       cfg.task.train_fraction, cfg.task.train_limit, cfg.seed)
     eval_splits = eval_splits_of(cfg, task)
-    eval_ex = {s: task.load(s, cfg.task.data_dir)[: cfg.task.eval_limit] for s in eval_splits}
+    eval_ex = {s: nonempty(task.load(s, cfg.task.data_dir), cfg, s)[: cfg.task.eval_limit]
+               for s in eval_splits}
     if accelerator.is_main_process:
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
         (cfg.run_dir / "config.yaml").write_text(resolved_yaml(cfg))
@@ -291,7 +293,8 @@ def _summary(cfg: ExperimentConfig, run: _Run, state: TrainerState, end: _End,
         surgery=run.report.to_dict() if run.report is not None else None,
         head_overlap=overlap, interrupted=end.interrupted, num_processes=num_processes,
         degenerate=degenerate_warning(run.evaluate.one_class, state.evals, state.best_step,
-                                      state.step, float(cfg.optim.lr or 0.0)),
+                                      state.step, float(cfg.optim.lr or 0.0),
+                                      by_steps=cfg.train.max_steps is not None),
         **provenance(), started=started)
 
 

@@ -260,27 +260,31 @@ def resolve_plan(plan: Any, table: HeadTable, *, shape: tuple[int, int] | None =
     return Plan(tuple(rules)), Selection(table.source, (L, H), tuple(picks))
 
 
-def missing_analysis(plan: Plan) -> str:
-    """The one-line message for a plan with selectors and no analysis."""
+def missing_analysis(plan: Plan, *, option: str = "analysis:", own_task: bool = True) -> str:
+    """The one-line message for a plan with selectors and no analysis: ``option`` is how
+    the caller takes one (a config's ``analysis:``, ``attnlab demo``'s ``--analysis``);
+    ``task`` alone is offered only where there is a task of one's own (a run)."""
     pos, rule = next((i, r) for i, r in enumerate(plan.rules) if r.selector is not None)
+    tasks = "task / task:NAME" if own_task else "task:NAME"
     return (f"plan rule {pos} ({rule.describe()}) chooses heads by a head analysis "
-            f"({rule.selector}); set analysis: to a head_scores.json of `attnlab analyze "
-            "heads` (or its folder), or to task / task:NAME to compute it on a dev split")
+            f"({rule.selector}); set {option} to a head_scores.json of `attnlab analyze "
+            f"heads` (or its folder), or {tasks} to compute it on a dev split")
 
 
 def resolve_for_model(plan: Any, model: torch.nn.Module, tokenizer: Any,
                       analysis: str | None, *, own_task: str | None = None,
                       data_dir: str | None = None, max_length: int | None = None,
-                      batch_size: int = 32, name: str = "model"
+                      batch_size: int = 32, name: str = "model", option: str = "analysis="
                       ) -> tuple[Plan, Selection | None]:
     """The plan for an in-memory ``model`` (``attnlab demo``, scripts): resolved against the
     ``analysis`` file, or against an analysis of ``model`` itself computed on a task's dev
-    split (``task:NAME``); a plan without selectors comes back as it is."""
+    split (``task:NAME``); a plan without selectors comes back as it is. ``option`` names
+    the caller's way to give the analysis, for the error when there is none."""
     plan = Plan.parse(plan)
     if not plan.selective:
         return plan, None
     if analysis is None:
-        raise PlanError(missing_analysis(plan))
+        raise PlanError(missing_analysis(plan, option=option, own_task=own_task is not None))
     host = inspect_model(model)
     task = task_of(analysis, own_task)
     table = (read_head_table(analysis) if task is None else

@@ -93,6 +93,18 @@ def preflight(cfg: ExperimentConfig, load_data: bool = False) -> None:
             "../shared/data), 'builtin' for the shipped sample, or null for the hub")
     check_writable(cfg.run_dir)
     if load_data:
-        task.load(cfg.task.train_split or task.train_split, cfg.task.data_dir)
+        train_split = cfg.task.train_split or task.train_split
+        nonempty(task.load(train_split, cfg.task.data_dir), cfg, train_split)
         for split in eval_splits_of(cfg, task):
-            task.load(split, cfg.task.data_dir)
+            nonempty(task.load(split, cfg.task.data_dir), cfg, split)
+
+
+def nonempty(examples: list, cfg: ExperimentConfig, split: str) -> list:
+    """``examples`` of ``split``, refused when there are none (a data file with a header
+    and no rows): training would stop later with no word of the file."""
+    if not examples:
+        where = cfg.task.data_dir or "the Hugging Face hub"
+        raise ConfigError(f"task {cfg.task.name!r}: the {split} split in {where} has no "
+                          "examples; fill its file (or generate it again) or point "
+                          "task.data_dir at another folder")
+    return examples

@@ -9,6 +9,7 @@ One home for both, so that a reloaded run computes exactly what it evaluated: ``
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -80,7 +81,7 @@ def load_run_model(run_dir: str | Path) -> tuple[torch.nn.Module, Any, Experimen
         raise FileNotFoundError(f"{run_dir} is not a folder; give the folder of a finished "
                                 "attnlab run (e.g. runs/<name>)")
     if not weights.exists():
-        raise FileNotFoundError(f"{weights} not found: is {run_dir} a finished attnlab run?")
+        raise FileNotFoundError(_no_weights(run_dir, weights))
     cfg = load_config(run_dir / "config.yaml")
     task = get_task(cfg.task.name)
     set_seed(cfg.seed)  # as in run_experiment: a scratch backbone that was not tuned (and
@@ -91,3 +92,20 @@ def load_run_model(run_dir: str | Path) -> tuple[torch.nn.Module, Any, Experimen
     load_tuned_file(model, tuner, weights)
     model.eval()
     return model, tok, cfg
+
+
+def _no_weights(run_dir: Path, weights: Path) -> str:
+    """Why a folder without tuned weights is no finished run, and what to give instead."""
+    runs = sorted(p for pattern in ("seed-*", "*/seed-*") for p in run_dir.glob(pattern)
+                  if p.is_dir())
+    if runs:
+        return (f"{run_dir} holds the runs of `attnlab compare`, not one run; give one of "
+                f"them, e.g. {runs[0]}")
+    try:
+        status = json.loads((run_dir / "summary.json").read_text()).get("status")
+    except (OSError, ValueError, AttributeError):
+        status = None
+    if status in ("interrupted", "failed"):
+        return (f"{run_dir} has not finished (status: {status}); continue it with: attnlab "
+                f"run {run_dir}/config.yaml --resume")
+    return f"{weights} not found: is {run_dir} a finished attnlab run?"

@@ -504,7 +504,8 @@ def write_results(cfg: TlmConfig, data: TlmData, run_dir: Path, stage1: dict[str
         seconds_per_step=seconds / max(steps, 1), peak_rss_mb=peak_rss_mb(),
         params=result.params,
         degenerate=degenerate_warning(result.one_class, stage2.evals, stage2.best_step, stage2.step,
-                                      cfg.stage2.lr),
+                                      cfg.stage2.lr, by_steps=cfg.stage2.max_steps is not None,
+                                      section="stage2", lr_key="stage2.lr"),
         **provenance(), started=started, finished=now(), wall_seconds=time.perf_counter() - t0)
     write_summary(run_dir, summary)
     return summary.to_dict()
