@@ -111,6 +111,40 @@ def _raise(error):
     raise error
 
 
+def test_sigterm_takes_the_interrupt_path(tmp_path, monkeypatch):
+    """SIGTERM (``timeout``, a scheduler) reaches the run as a KeyboardInterrupt, so the run
+    records it and the user is told how to resume; exit status 143; the handler is restored."""
+    import os
+    import signal
+
+    import attnlab.recipes.finetune as finetune
+
+    seen = []
+
+    def killed(cfg, resume=False, stop_after=None):
+        cfg.run_dir.mkdir(parents=True)
+        (cfg.run_dir / "config.yaml").write_text("name: r\n")
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler runs at the next bytecode
+        except KeyboardInterrupt:
+            seen.append("run saw it")
+            raise
+
+    def fallback(signum, frame):  # reached only when the command installed no handler
+        raise RuntimeError("SIGTERM was not handled by the command")
+
+    original = signal.signal(signal.SIGTERM, fallback)
+    try:
+        monkeypatch.setattr(finetune, "run_experiment", killed)
+        res = runner.invoke(app, ["run", *TINY, "name=r", f"output_dir={tmp_path}"])
+        assert res.exit_code == 143, res.output
+        assert seen == ["run saw it"]
+        assert "terminated:" in res.output and "--resume" in res.output, res.output
+        assert signal.getsignal(signal.SIGTERM) is fallback
+    finally:
+        signal.signal(signal.SIGTERM, original)
+
+
 def test_eval_of_a_compare_folder_or_an_unfinished_run_names_the_fix(tmp_path):
     (tmp_path / "cmp" / "baseline" / "seed-0").mkdir(parents=True)
     res = runner.invoke(app, ["eval", str(tmp_path / "cmp")])

@@ -5,7 +5,7 @@ switch (``attnlab --debug CMD`` shows the traceback instead), ``fail`` (the one-
 printer), ``user_errors`` (turns the exceptions that mean bad input into ``fail``) and
 ``positive_ints`` / ``at_least`` (lengths and counts) and ``folder_option`` /
 ``file_option`` (output paths), all checked before any work; ``on_interrupt`` says what
-Ctrl-C left and how to continue.
+Ctrl-C (or SIGTERM, as ``timeout`` and job schedulers send) left and how to continue.
 Anything else is a bug and keeps its traceback.
 
 The message is printed as text, not rich markup, so shapes such as ``[b, h, n]`` in a
@@ -14,6 +14,8 @@ message reach the user whole; only its first line is shown (the rest is for ``--
 
 from __future__ import annotations
 
+import signal
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -111,15 +113,28 @@ def message_of(error: BaseException) -> str:
 def on_interrupt(note: Callable[[], str]) -> Iterator[None]:
     """Ctrl-C inside: print ``interrupted: <note()>`` (what is kept, how to continue, as it
     stands then) and exit with status 130, the shell's for SIGINT (``--debug``: the
-    traceback)."""
+    traceback). SIGTERM inside (``timeout``, a job scheduler) takes the same path, as a
+    KeyboardInterrupt, so the run records that it was interrupted; it exits with 143."""
+    terminated: list[int] = []
+
+    def on_term(signum: int, frame: object) -> None:
+        terminated.append(signum)
+        raise KeyboardInterrupt
+
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, on_term) if main else None
     try:
         yield
     except KeyboardInterrupt:
         if _STATE["debug"]:
             raise
-        _console.print(Text.assemble("\n", ("interrupted:", "bold yellow"), " ", note()),
+        word = "terminated:" if terminated else "interrupted:"
+        _console.print(Text.assemble("\n", (word, "bold yellow"), " ", note()),
                        soft_wrap=True)  # "\n": off a progress bar's unfinished line
-        raise typer.Exit(code=130) from None
+        raise typer.Exit(code=143 if terminated else 130) from None
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
 
 
 @contextmanager

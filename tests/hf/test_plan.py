@@ -76,6 +76,13 @@ def test_unknown_mechanism_names_the_rule():
         Plan.parse(["all:all:softmax", "0:all:lineer_elu"])
 
 
+def test_a_compact_rule_is_quoted_as_written():
+    """Errors quote a compact rule in the form the user wrote, not the mapping it becomes."""
+    with pytest.raises(PlanError) as e:
+        Plan.parse(["all:all:softmax", " 0:1:band(windw=3) "])
+    assert str(e.value).startswith("plan rule 1 ('0:1:band(windw=3)'): unknown parameter")
+
+
 def test_unknown_key_names_the_rule_and_close_match():
     with pytest.raises(PlanError, match=r"rule 0 .*unknown parameter 'epz'.*'eps'"):
         Plan.parse([{"layers": "all", "heads": "all", "mechanism": "linear_elu(epz=1)"}])

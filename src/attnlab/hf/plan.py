@@ -244,8 +244,10 @@ class Rule:
         }
 
 
-def _rule_from_mapping(raw: Mapping[str, Any], pos: int) -> Rule:
-    where = f"plan rule {pos} ({dict(raw)!r})"
+def _rule_from_mapping(raw: Mapping[str, Any], pos: int, text: str | None = None) -> Rule:
+    """One rule from its mapping; ``text``: the compact form it was written in, which errors
+    quote instead of the mapping."""
+    where = f"plan rule {pos} ({text if text is not None else dict(raw)!r})"
     unknown = sorted(set(raw) - {"layers", "heads", "mechanism"})
     if unknown:
         raise PlanError(f"{where}: " + unknown_parameter(unknown[0], "a plan rule",
@@ -281,7 +283,8 @@ def _rule_from_compact(text: str, pos: int) -> Rule:
             " or 'all:class:vertical:band(window=8)'"
         )
     layers, heads, spec = (f.strip() for f in fields)
-    return _rule_from_mapping({"layers": layers, "heads": heads, "mechanism": spec}, pos)
+    return _rule_from_mapping({"layers": layers, "heads": heads, "mechanism": spec}, pos,
+                              text.strip())
 
 
 # -------------------------------------------------------------------------------------- plan
