@@ -92,7 +92,17 @@ def naive_nystrom(q, k, v, num, iterations, key_mask=None, init="original", conv
 
 
 def naive_csalr(q, k, v, num, eps, key_mask=None):
-    kern = naive_kernels(q, k, num, key_mask, q.shape[-1] ** -0.5)
+    """With a key mask: each row on its real tokens alone (num capped at their count), its
+    padded query rows 0."""
+    if key_mask is not None:
+        out = torch.zeros_like(v)
+        for bi in range(q.shape[0]):
+            idx = key_mask[bi].nonzero()[:, 0]
+            if len(idx):
+                row = [t[bi:bi + 1, :, idx] for t in (q, k, v)]
+                out[bi:bi + 1, :, idx] = naive_csalr(*row, min(num, len(idx)), eps)
+        return out
+    kern = naive_kernels(q, k, num, None, q.shape[-1] ** -0.5)
     out = torch.zeros_like(v)
     for (bi, hi), (k1, m, k3) in kern.items():
         inv = torch.linalg.inv(m.double() + eps * torch.eye(m.shape[0], dtype=torch.float64))

@@ -250,7 +250,10 @@ class LSH(nn.Module):
     scores are recomputed in the backward (bench encoder at 4 x 4096: 366 -> 197 MB for a
     step 17-30% longer).
     Padding: padded tokens hash into an extra last bucket (they never move real tokens) and
-    are never attended; a row with no valid key gives zeros.
+    are never attended; a row with no valid key gives zeros. With ``wrap`` the first chunk
+    looks back at the last chunk of the padded sequence (padding, or a padded row's tail), as
+    trax/HF, so a right-padded row differs from its sequence alone there; ``wrap=False``
+    does not depend on the padding.
     Shared QK: the host's keys ``k`` are ignored; the keys are the normalised queries (its
     key projection gets a zero gradient through these heads). Needs n == m.
     Deviations / notes: R is drawn once per (seed, layer) from a seeded generator, in

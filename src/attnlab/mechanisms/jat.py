@@ -386,6 +386,10 @@ class JumpSelfAttention(nn.Module):
     With ``mode='mix'`` and c = 0 the head runs the ``softmax`` mechanism itself, so a
     model with such heads is bit for bit the pretrained one (tested).
     Not causal: A mixes all positions (``causal_ok=False``); needs n == m (self-attention).
+    Padding: with ``mask_pads=False`` (default, official) padding keys enter A and its mean is
+    over the padded length, and ``variant="probsparse"`` samples (eval: seeded) for the padded
+    length, so a right-padded row differs from its sequence alone; the dense variant with
+    ``mask_pads=True`` does not depend on the padding.
     """
 
     example: ClassVar[str] = "jat(rho=0.3, mask_pads=True)"

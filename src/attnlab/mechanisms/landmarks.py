@@ -13,9 +13,10 @@ Shared conventions (both mechanisms; shape glossary b, h, n, m, d, dv, L landmar
   the equal segments of the official code and of transformers (a reshape and a mean);
   otherwise they differ in length by at most one (the official code and transformers
   require n % L == 0).
-* Padding (as the official Nyströmformer code): padded queries and keys are zeroed before
-  the segment means (so padding never enters a landmark), and padded keys get no weight
-  in softmax(Q~ K^T). Rows whose keys are all padding give 0.
+* Padding: padded keys get no weight in softmax(Q~ K^T); rows whose keys are all padding
+  give 0. ``nystrom`` (as the official Nyströmformer code) zeroes padded queries and keys
+  before the segment means, whose segments cover the padded length; ``csalr`` takes each
+  row's segments over its own real tokens (``_row_landmarks``), as its sequence alone.
 * ``need_weights`` returns the effective weights [b, h, n, m] (out = weights @ V
   exactly); they are not a probability matrix. No attention dropout (``ctx.dropout`` is
   ignored): no n x m probability matrix exists, as in the official code and transformers.
@@ -111,6 +112,35 @@ def _landmarks(q, k, num: int, scale: float, keep: torch.Tensor | None):
         km = keep[:, None, :, None].to(q.dtype)  # [b,1,n,1]
         q, k = q * km, k * km
     return q, k, segment_means(q, num), segment_means(k, num) * scale
+
+
+def _row_landmarks(keep: torch.Tensor, num: int, dtype: torch.dtype):
+    """Each row's own segments, for a key mask keep [b, n] and L = ``num`` slots: (index
+    [b * n] into b * (L + 1) slot rows, slot sizes [b, L] clamped >= 1, slot validity [b, L]),
+    for ``_row_segment_means``. Row b has L_b real tokens and L'_b = min(L, L_b) segments; its
+    r-th real token is in segment floor(r * L'_b / L_b) (the segments of the row's sequence
+    alone); padded positions go to a dropped slot L, and slots >= L'_b stay empty."""
+    b, n = keep.shape
+    lengths = keep.sum(-1, keepdim=True)  # L_b [b,1]
+    segments = lengths.clamp(max=num)  # L'_b [b,1]
+    rank = keep.cumsum(-1) - 1  # [b,n] position among the row's real tokens
+    seg = torch.where(keep, rank * segments // lengths.clamp(min=1), num)  # [b,n]
+    sizes = torch.zeros(b, num + 1, dtype=dtype, device=keep.device).scatter_add_(
+        1, seg, torch.ones(b, n, dtype=dtype, device=keep.device))[:, :num]  # [b,L]
+    flat = (seg + torch.arange(b, device=keep.device)[:, None] * (num + 1)).reshape(b * n)
+    slots = torch.arange(num, device=keep.device)[None, :] < segments  # [b,L]
+    return flat, sizes.clamp(min=1), slots
+
+
+def _row_segment_means(x: torch.Tensor, flat: torch.Tensor, sizes: torch.Tensor):
+    """x [b, g, n, d] -> the means [b, g, L, d] of each row's segments (``_row_landmarks``;
+    0 on empty slots)."""
+    b, g, n, d = x.shape
+    num = sizes.shape[1]
+    rows = x.transpose(0, 1).reshape(g, b * n, d).to(sizes.dtype)  # summed in sizes' dtype
+    sums = torch.index_add(rows.new_zeros(g, b * (num + 1), d), 1, flat, rows)  # [g,b*(L+1),d]
+    means = sums.view(g, b, num + 1, d).transpose(0, 1)[:, :, :num] / sizes[:, None, :, None]
+    return means.to(x.dtype).contiguous()  # [b,g,L,d]
 
 
 def _side_kernels(q, k, ql, kl, scale: float, keep: torch.Tensor | None):
@@ -217,6 +247,9 @@ class Nystrom(nn.Module):
     adds its padding mask only to softmax(Q~ K^T), so its landmarks average padded
     positions too, and it takes no n % L != 0). The conv skip is off by default
     (transformers' config default is 65; the official code adds it only when configured).
+    Padding: as the official code and transformers, the segments cover the padded length and
+    padded positions count (as zeros) in the segment means, and L >= n is judged on the
+    padded n; so a right-padded row gives other outputs than its sequence alone.
     """
 
     example: ClassVar[str] = "nystrom(num_landmarks=4, conv_kernel=3)"
@@ -292,10 +325,13 @@ class CSALR(nn.Module):
     a negative eigenvalue of M near -eps (seen: -0.099 for eps = 0.1, condition number
     1200, outputs 30x too large): prefer eps = 1 or eps well below the landmark spread.
     When L > n the landmarks are the n tokens themselves (L is capped at n).
+    Padding: a row's landmarks are the segment means of its own real tokens (L capped at its
+    real length), so a right-padded row gives its sequence alone's outputs; padded keys get
+    no weight and padded queries output 0.
     Complexity O(n*L*d + L^3) time, O(n*L) memory.
     Deviations: the paper (an image model, 2-D average pooling over a feature map, no
     padding) was not available to read; the formula is the survey's. Landmarks are 1-D
-    segment means; masking and uneven segments as in the module docstring.
+    segment means; uneven segments as in the module docstring.
     """
 
     example: ClassVar[str] = "csalr(num_landmarks=4)"
@@ -317,10 +353,31 @@ class CSALR(nn.Module):
         eye = torch.eye(num, dtype=accumulation_dtype(q.dtype), device=q.device)  # [L,L]
         need_weights, eps = ctx.need_weights, self.cfg.eps
 
+        if keep is not None:  # each row's own segments (fewer slots in a short row)
+            flat, sizes, slots = _row_landmarks(  # [b*n], [b,L], [b,L]
+                keep, num, accumulation_dtype(q.dtype))
+            pairs = (slots[:, :, None] & slots[:, None, :])[:, None]  # [b,1,L,L]
+            # -inf on the empty slots of rows with a real token (a row without one has only
+            # padded queries, zeroed by ``kept``)
+            empty = ~slots & keep.any(-1, keepdim=True)  # [b,L]
+            slot_bias = torch.zeros(empty.shape, dtype=q.dtype, device=q.device).masked_fill(
+                empty, float("-inf"))[:, None, None, :]  # [b,1,1,L]
+            kept = keep[:, None, :, None].to(q.dtype)  # [b,1,n,1]
+
         def heads(q, k, v) -> AttnOutput:  # heads are independent: a few at a time
-            q, k, ql, kl = _landmarks(q, k, num, scale, keep)
-            k1, k3 = _side_kernels(q, k, ql, kl, scale, keep)  # [b,g,n,L], [b,g,L,m]
-            k2 = torch.softmax(ql @ kl.transpose(-1, -2), dim=-1)  # M [b,g,L,L]
+            if keep is None:
+                q, k, ql, kl = _landmarks(q, k, num, scale, None)
+                k1, k3 = _side_kernels(q, k, ql, kl, scale, None)  # [b,g,n,L], [b,g,L,m]
+                k2 = torch.softmax(ql @ kl.transpose(-1, -2), dim=-1)  # M [b,g,L,L]
+            else:  # empty slots: no weight in k1, rows and columns of M zero (so M + eps I
+                # is block diagonal and they never reach a real slot); padded queries: 0
+                ql = _row_segment_means(q, flat, sizes)  # [b,g,L,d]
+                kl = _row_segment_means(k, flat, sizes) * scale
+                k1 = torch.softmax(q @ kl.transpose(-1, -2) + slot_bias, dim=-1) * kept  # [b,g,n,L]
+                s3 = (ql * scale) @ k.contiguous().transpose(-1, -2)  # [b,g,L,m]
+                k3 = masked_softmax(s3, keep[:, None, None, :].expand(s3.shape))
+                s2 = ql @ kl.transpose(-1, -2)  # [b,g,L,L]
+                k2 = masked_softmax(s2, pairs.expand(s2.shape))  # M
             wide = accumulation_dtype(k2.dtype)  # fp32 for 16-bit inputs, else their own
             reg = k2.to(wide) + eps * eye  # M + eps I [b,g,L,L]
             x = torch.linalg.solve(reg, (k3 @ v).to(wide)).to(v.dtype)  # [b,g,L,dv]

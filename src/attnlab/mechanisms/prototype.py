@@ -133,8 +133,7 @@ def clustered_attention(
     if not need_weights and not (training and dropout > 0):
         # A_c V on torch's fused kernel, the key mask as its mask: no [b,h,C,m] kept
         none = q.new_zeros(1, 1, 1, k.shape[2])  # no bias beyond the key mask
-        return _broadcast(masked_sdpa(qc, k, v, none, key_mask, False, scale, 0.0),
-                          assign), None
+        return _broadcast(masked_sdpa(qc, k, v, none, key_mask, False, scale, 0.0), assign), None
     kvalid, _ = _valid(key_mask, q.shape[0], q.shape[2], k.shape[2], q.device)
     scores = qc @ k.transpose(-1, -2) * scale  # [b,h,C,m]
     probs = masked_softmax(scores, kvalid[:, None, None, :].expand(scores.shape))  # A_c
@@ -250,7 +249,8 @@ _CLUSTERED_NOTES = """
     per (seed, layer_idx, n), so eval is deterministic. ``draws(n, layer_idx)`` returns the
     draw a call would use and ``cluster_queries`` the assignment.
     Padding: padded keys get zero weight; padded queries (self-attention, n == m) neither seed,
-    join, vote nor count in any cluster (official: query lengths) and output zeros.
+    join, vote nor count in any cluster (official: query lengths) and output zeros. The eval draw is
+    the padded length's, so a padded row clusters unlike its sequence alone.
     Deviations: a row with at most C real queries puts each in its own cluster (the official
     initialisation with every query almost always does; equal codes would merge), so C >= n is
     exactly softmax; initial centroids are C distinct *real* queries (official: positions drawn
@@ -531,12 +531,12 @@ class ProbSparse(nn.Module):
     every call (the official code redraws every call, eval too); eval uses a fixed draw per
     (seed, layer_idx, n), so it is deterministic. ``draws(n, m, layer_idx)`` returns it,
     ``probsparse_keys`` maps it to key indices.
-    Padding: a row has its unpadded sequence's sizes (official: no padding): U_b samples (the
-    first U_b draws) among its L_b unpadded keys, u_b from its real query count (or n), so its
-    sparsity does not depend on the batch's padding; padded keys get zero weight, the lazy
-    mean is over the unpadded values; padded queries rank last and output zeros. Ties in M go
-    to the lower position. ``need_weights``: softmax rows for active queries, 1/L_b on the
-    unpadded keys for lazy ones (official: 1/L_V), so out == weights @ v.
+    Padding: a row has its unpadded sequence's sizes (official: no padding): U_b samples (the first
+    U_b draws) among its L_b unpadded keys, u_b from its real query count (or n); padded keys get
+    zero weight, the lazy mean is over the unpadded values; padded queries rank last and output
+    zeros. The eval draws are the padded length's, so a padded row samples unlike its sequence
+    alone. Ties in M go to the lower position. ``need_weights``: softmax rows for active queries,
+    1/L_b on the unpadded keys for lazy ones (official: 1/L_V), so out == weights @ v.
     Deviations: the official code divides the sample sum by L_K, not U (its authors: sample_k
     "can be used to take the mean", Informer2020 issue #211; equal when U = L_K); dropout
     ``ctx.dropout`` applies to the active rows (the official module never applies its

@@ -264,6 +264,8 @@ class Random(nn.Module):
     draw that hits i leaves r keys in all, and with ``ctx.causal`` the draws after i are
     dropped: query i keeps about r * i / m of them (a prefix of the sequence sees fewer
     random keys). The draw depends on n: a prefix of a longer sequence gets other keys.
+    Padding: the pattern is drawn for the padded length n, so a right-padded row attends
+    other random keys than its sequence alone (padded keys are never attended).
     """
 
     example: ClassVar[str] = "random(num_random=3, seed=1)"
@@ -413,6 +415,10 @@ class BigBird(nn.Module):
     layer, and drawn once per (seed, layer, n), the same in training and evaluation (as the
     google-research code, which seeds them by the layer); an even ``window_blocks`` covers
     w + 1 blocks (|qb - kb| <= w // 2).
+    Padding: the random blocks are drawn for the padded length n (its block count), and with
+    ``last_global`` the padded sequence's last block is the global one, as in the official
+    code and transformers; so a right-padded row attends other keys than its sequence alone.
+    Without random blocks and ``last_global`` a row's result does not depend on its padding.
     """
 
     example: ClassVar[str] = (
