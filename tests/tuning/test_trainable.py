@@ -120,3 +120,19 @@ def test_full_can_keep_the_word_embeddings_fixed():
     opt.step()
     assert torch.equal(model.bert.embeddings.word_embeddings.weight, before)
     assert "bert.embeddings.word_embeddings.weight" not in tuner.state_dict_to_save(model)
+
+
+@pytest.mark.parametrize("name", [*sorted(EXPECTED), "lora(dropout=0.5)"])
+def test_modules_a_tuner_adds_take_the_model_mode(name):
+    """A model tuned in eval stays in eval: PASTA's dropout, Diff-Prune's sampled gates and
+    LoRA's dropout would otherwise make two eval calls differ."""
+    tuner, cfg = resolve_tuning(name)
+    model = tuner.apply(make_bert().eval(), cfg, task=TaskInfo(kind="pair"))
+    assert not [n for n, m in model.named_modules() if m.training]
+    with torch.no_grad():  # tuned weights away from their init (LoRA's B, the diff: 0)
+        for _, p in tuner.trainable_parameters(model):
+            p.add_(0.1 * torch.randn_like(p))
+        batch = bert_pair_batch()
+        assert torch.equal(model(**batch).logits, model(**batch).logits)
+    trained = tuner.apply(make_bert().train(), cfg, task=TaskInfo(kind="pair"))
+    assert all(m.training for m in trained.modules())

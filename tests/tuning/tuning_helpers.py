@@ -78,3 +78,33 @@ ROBERTA_PAIR_INDEX = torch.tensor([
     [0, -1, -1, 1, 2, -1, 3, -1, -1],
     [0, -1, 1, 2, -1, -1, -1, -1, 3],
 ])
+
+
+TINY = dict(vocab_size=60, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+            intermediate_size=32, max_position_embeddings=40)
+# family -> (class-name prefix, config keywords) of the other hosts' tiny models
+FAMILIES = {
+    "xlm-roberta": ("XLMRoberta", dict(TINY, type_vocab_size=1, pad_token_id=RPAD,
+                                       bos_token_id=BOS, eos_token_id=EOS)),
+    "camembert": ("Camembert", dict(TINY, type_vocab_size=1, pad_token_id=RPAD,
+                                    bos_token_id=BOS, eos_token_id=EOS)),
+    "roberta": ("Roberta", dict(TINY, type_vocab_size=1, pad_token_id=RPAD, bos_token_id=BOS,
+                                eos_token_id=EOS)),
+    "distilbert": ("DistilBert", dict(vocab_size=60, dim=16, n_layers=2, n_heads=2,
+                                      hidden_dim=32, max_position_embeddings=40)),
+    "modernbert": ("ModernBert", dict(TINY, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                      cls_token_id=1, sep_token_id=2)),
+    "data2vec-text": ("Data2VecText", dict(TINY, pad_token_id=RPAD)),
+}
+
+
+def make_family(family: str, head: str = "ForSequenceClassification", seed: int = 0,
+                **overrides):
+    """A tiny random model of another family ("Model": the bare encoder), 2 labels."""
+    import transformers
+
+    prefix, values = FAMILIES[family]
+    config = getattr(transformers, prefix + "Config")(**{**values, **overrides})
+    config.num_labels = 2
+    torch.manual_seed(seed)
+    return getattr(transformers, prefix + head)(config)

@@ -3,7 +3,9 @@
 ``count_parameters`` returns::
 
     trainable_total         every parameter the optimizer updates (head included)
-    trainable_without_head  the same without the task head (what papers report)
+    trainable_without_head  the same without the task head (what papers report); a
+                            parameter of ``model.base_model`` is never head, also where
+                            a head module shares it (tied word embeddings)
     backbone_total          the encoder model without the head, as it was before tuning
                             (e.g. ``BertModel``: embeddings, layers and pooler)
     percent_of_backbone     100 * trainable_without_head / backbone_total
@@ -34,8 +36,7 @@ from .base import (
     TaskInfo,
     Tuner,
     backbone_of,
-    head_prefixes,
-    is_head_name,
+    backbone_parameter_ids,
     requires_grad_parameters,
     resolve_tuning,
     tuning_record,
@@ -63,10 +64,10 @@ _NUM_LABELS = {"single": 2, "pair": 2, "ner": 9}  # binary GLUE task; CoNLL-2003
 def count_parameters(model: nn.Module, tuner: Tuner | None = None) -> dict[str, Any]:
     """Trainable counts of a tuned model against its backbone (see the module docstring)."""
     record = tuning_record(model)
-    prefixes = record.head if record is not None else head_prefixes(model)
+    backbone_ids = backbone_parameter_ids(model)  # what a tuner adds sits in the backbone
     trainable = requires_grad_parameters(model)
     total = sum(p.numel() for _, p in trainable)
-    head = sum(p.numel() for n, p in trainable if is_head_name(n, prefixes))
+    head = sum(p.numel() for _, p in trainable if id(p) not in backbone_ids)
     if record is not None:
         backbone_total, backbone_name = record.backbone_total, record.backbone_name
     else:

@@ -19,9 +19,15 @@ The *backbone* is the encoder model without its task head (``model.base_model``:
 ``BertModel``, with its pooler where the task model has one: BERT sequence classification
 does, token classification and RoBERTa's classifiers build theirs without, so BERT-large's
 backbone is 335,141,888 for GLUE and 334,092,288 for NER); the *head* is every other
-top-level child of the model
-(``classifier``, ``qa_outputs``). Both are recorded when a tuner is applied, so
+parameter of the model (``classifier``, ``qa_outputs``, ModernBERT's ``head`` and
+``classifier``). Head and backbone are told apart by parameter identity, not by name: a
+masked-LM head whose decoder shares the word-embedding matrix (XLM-R and CamemBERT
+register ``lm_head`` first, so that matrix is named ``lm_head.decoder.weight``) still
+leaves the matrix to the backbone. Both are recorded when a tuner is applied, so
 ``count_parameters`` divides by the backbone as it was before tuning.
+
+Modules a tuner adds (PASTA's tables, adapters, LoRA layers, Diff-Prune's gates) take the
+mode of the model they are added to: a model in eval stays in eval (``finish_tuning``).
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Protocol, cast, runtime_checkable
 
@@ -276,29 +282,25 @@ def unwrap_peft(model: nn.Module) -> nn.Module:
     return model
 
 
+def backbone_parameter_ids(model: nn.Module) -> set[int]:
+    """``id`` of every backbone parameter; any other parameter of the model is head. A
+    parameter of the backbone stays backbone where a head module shares it (a masked-LM
+    decoder tied to the word embeddings)."""
+    return {id(p) for p in backbone_of(model).parameters()}
+
+
 def head_prefixes(model: nn.Module) -> tuple[str, ...]:
-    """Names of the top-level children that form the task head (those with parameters)."""
+    """Names of the top-level children that form the task head: those holding a parameter
+    that is not the backbone's (ModernBERT: ``head`` and ``classifier``)."""
     inner = unwrap_peft(model)
     backbone = backbone_of(inner)
     if backbone is inner:
         return ()
+    own = backbone_parameter_ids(inner)
     return tuple(
         name for name, child in inner.named_children()
-        if child is not backbone and any(True for _ in child.parameters())
+        if child is not backbone and any(id(p) not in own for p in child.parameters())
     )
-
-
-def _strip_wrappers(name: str) -> str:
-    # peft names: "base_model.model.<hf name>" (LoRA) or "base_model.<hf name>" (prompt learning)
-    for prefix in ("base_model.model.", "base_model."):
-        if name.startswith(prefix):
-            return name[len(prefix):]
-    return name
-
-
-def is_head_name(name: str, prefixes: Iterable[str]) -> bool:
-    plain = _strip_wrappers(name)
-    return any(plain == p or plain.startswith(p + ".") for p in prefixes)
 
 
 def encoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -330,6 +332,9 @@ class TuningRecord:
     backbone_total: backbone parameters before tuning (the denominator of every percentage).
     backbone_name: the backbone's class (e.g. ``BertModel``), printed with the denominator.
     head: names of the head's top-level modules.
+    training: the model's mode when the tuner was applied; the modules it adds take it.
+    host_modules: the model's modules before tuning (held from ``start_tuning`` to
+      ``finish_tuning`` only, to tell the added ones).
     """
 
     tuner: str
@@ -337,6 +342,8 @@ class TuningRecord:
     backbone_total: int
     backbone_name: str
     head: tuple[str, ...]
+    training: bool = True
+    host_modules: tuple[nn.Module, ...] = field(default=(), repr=False, compare=False)
 
 
 def start_tuning(model: nn.Module, cfg: TunerConfig) -> TuningRecord:
@@ -353,11 +360,21 @@ def start_tuning(model: nn.Module, cfg: TunerConfig) -> TuningRecord:
         backbone_total=sum(p.numel() for p in backbone.parameters()),
         backbone_name=type(backbone).__name__,
         head=head_prefixes(model),
+        training=model.training,
+        host_modules=tuple(model.modules()),
     )
 
 
 def finish_tuning(model: nn.Module, record: TuningRecord) -> nn.Module:
-    object.__setattr__(model, RECORD_ATTR, record)  # a plain attribute, not a submodule
+    """Give every module the tuner added (``model`` may be a new wrapper) the mode the model
+    had in ``start_tuning``, then keep the record on the model. Only the added modules'
+    own flags are set: the host's modules keep theirs, also inside an added wrapper."""
+    host = {id(m) for m in record.host_modules}
+    for module in model.modules():
+        if id(module) not in host:
+            module.training = record.training
+    # a plain attribute, not a submodule
+    object.__setattr__(model, RECORD_ATTR, dataclasses.replace(record, host_modules=()))
     return model
 
 
@@ -370,11 +387,12 @@ def tuning_record(model: nn.Module) -> TuningRecord | None:
 
 def set_trainable(model: nn.Module, keep: Iterable[str] | None = None, *,
                   head: bool = True) -> None:
-    """Freeze everything except parameters named in ``keep`` and (if ``head``) the head."""
+    """Freeze everything except parameters named in ``keep`` and (if ``head``) the head's
+    (every parameter outside the backbone)."""
     names = set(keep or ())
-    prefixes = head_prefixes(model) if head else ()
+    backbone = backbone_parameter_ids(model)
     for name, p in model.named_parameters():
-        p.requires_grad_(name in names or is_head_name(name, prefixes))
+        p.requires_grad_(name in names or (head and id(p) not in backbone))
 
 
 def requires_grad_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:

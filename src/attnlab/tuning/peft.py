@@ -11,9 +11,16 @@ refuses BERT there.
 ``peft.get_peft_model`` wraps the model: ``apply`` returns the wrapper (a ``PeftModel``),
 which the runner must use from then on. The peft task type follows the model's head
 (``*ForSequenceClassification`` -> SEQ_CLS, ``*ForTokenClassification`` -> TOKEN_CLS,
-``*ForQuestionAnswering`` -> QUESTION_ANS, a bare encoder -> FEATURE_EXTRACTION); peft then
-keeps the head trainable (``modules_to_save``). Saving and loading use peft's own
-``get_peft_model_state_dict`` / ``set_peft_model_state_dict``.
+``*ForQuestionAnswering`` -> QUESTION_ANS, a bare encoder -> FEATURE_EXTRACTION). Every
+top-level module of the task head trains (``modules_to_save``: BERT's ``classifier``,
+DistilBERT's ``pre_classifier`` and ``classifier``, ModernBERT's ``head`` and
+``classifier``), as under the other tuners; peft by itself keeps only ``classifier`` /
+``score`` / ``qa_outputs``. Saving and loading use peft's own ``get_peft_model_state_dict`` /
+``set_peft_model_state_dict``.
+
+Target modules: peft's default for the model type (BERT, RoBERTa, XLM-R, ELECTRA: query
+and value), else ``LORA_TARGETS`` for the families attnlab knows that peft 0.21 has none
+for; ModernBERT's Q, K and V are one fused ``Wqkv``, so LoRA adapts all three there.
 """
 
 from __future__ import annotations
@@ -26,17 +33,23 @@ from typing import Literal
 import torch
 from torch import nn
 
+from ..hf.arch import UnsupportedModelError
 from .base import (
     RequiresGradTuner,
     TaskInfo,
     TunerConfig,
     backbone_of,
     finish_tuning,
+    head_prefixes,
+    model_family,
     register_tuner,
     start_tuning,
     unwrap_peft,
 )
 
+# what peft adds to modules_to_save by itself, per task type
+_PEFT_HEAD_NAMES = {"SEQ_CLS": ("classifier", "score"), "TOKEN_CLS": ("classifier", "score"),
+                    "QUESTION_ANS": ("qa_outputs",)}
 _HEAD_SUFFIX_TO_TASK = {
     "ForSequenceClassification": "SEQ_CLS",
     "ForTokenClassification": "TOKEN_CLS",
@@ -66,7 +79,7 @@ class LoraTunerConfig(TunerConfig):
     r: int = 8  # r: rank of the update B A
     alpha: int = 16  # alpha: the update is scaled by alpha / r
     dropout: float = 0.0  # p of the dropout on the LoRA branch input (peft default)
-    target_modules: tuple[str, ...] | None = None  # modules to adapt; None: peft's (query, value)
+    target_modules: tuple[str, ...] | None = None  # modules to adapt; None: the family's default
     bias: Literal["none", "all", "lora_only"] = "none"  # which biases also train
 
     def __post_init__(self) -> None:
@@ -74,6 +87,53 @@ class LoraTunerConfig(TunerConfig):
             raise ValueError("r must be >= 1")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError("dropout must be in [0, 1)")
+
+
+# model type -> default LoRA targets, for the families peft 0.21 has no default for (the
+# query and value projections, as peft's default for BERT; ModernBERT's fused Q/K/V)
+LORA_TARGETS: dict[str, tuple[str, ...]] = {
+    "camembert": ("query", "value"),
+    "ernie": ("query", "value"),
+    "roberta-prelayernorm": ("query", "value"),
+    "distilbert": ("q_lin", "v_lin"),
+    "modernbert": ("Wqkv",),
+}
+
+
+def lora_targets(model: nn.Module, cfg: LoraTunerConfig) -> list[str] | None:
+    """The modules LoRA adapts: the config's, else peft's default for the model type (None),
+    else ``LORA_TARGETS``; a model type with none of these is an UnsupportedModelError
+    naming the option to set."""
+    from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_DEFAULTS
+
+    if cfg.target_modules:
+        return list(cfg.target_modules)
+    family = model_family(model)
+    if family in PEFT_DEFAULTS:
+        return None
+    if family in LORA_TARGETS:
+        return list(LORA_TARGETS[family])
+    raise UnsupportedModelError(
+        f"lora: neither peft nor attnlab has default target modules for model type "
+        f"{family or type(model).__name__!r}; set lora(target_modules=(...)) to the names of "
+        "its attention projections (e.g. target_modules=('query', 'value'))")
+
+
+def head_modules_to_save(model: nn.Module, task_type: str) -> list[str] | None:
+    """The head's top-level modules, for peft's ``modules_to_save`` (None: no head). peft
+    wraps (trains in full) every module whose name ends with one of them or with its own
+    names for the task type, so a backbone module whose name does is refused."""
+    heads = head_prefixes(model)
+    if not heads:
+        return None
+    wrapped = (*heads, *_PEFT_HEAD_NAMES.get(task_type, ()))
+    clash = [name for name, _ in backbone_of(model).named_modules() if name.endswith(wrapped)]
+    if clash:
+        raise UnsupportedModelError(
+            f"lora: backbone module {clash[0]!r} ends with the name of a task-head module "
+            f"({', '.join(wrapped)}), so peft would train it in full as part of the head; "
+            "use another tuner (pasta, bitfit, adapter) with this model")
+    return list(heads)
 
 
 def _wrap(model: nn.Module, peft_config) -> nn.Module:
@@ -129,9 +189,11 @@ class LoraTuner(_PeftTuner):
         from peft import LoraConfig, TaskType  # heavy: peft, imported on use
 
         record = start_tuning(model, cfg)
+        task_type = peft_task_type(model)
+        targets = lora_targets(model, cfg)
+        heads = head_modules_to_save(model, task_type)
         peft_cfg = LoraConfig(
-            task_type=TaskType[peft_task_type(model)], r=cfg.r, lora_alpha=cfg.alpha,
-            lora_dropout=cfg.dropout, bias=cfg.bias,
-            target_modules=list(cfg.target_modules) if cfg.target_modules else None,
+            task_type=TaskType[task_type], r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
+            bias=cfg.bias, target_modules=targets, modules_to_save=heads,
         )
         return finish_tuning(_wrap(model, peft_cfg), record)
