@@ -198,3 +198,18 @@ def test_an_empty_split_is_one_line_and_writes_nothing(tmp_path, command):
     lines = [ln for ln in res.output.strip().splitlines() if ln.strip()]
     assert len(lines) == 1 and "has no examples" in lines[0] and "train" in lines[0], lines
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("command", ["run", "validate"])
+def test_prefix_with_a_token_keyed_plan_is_one_line_and_writes_nothing(tmp_path, command):
+    """Prefix tuning's extra keys would shift a mechanism that reads key j as token j: refused
+    from the config, before any folder is written, as the tuner itself refuses it."""
+    res = runner.invoke(app, [command, *TINY, "name=p", f"output_dir={tmp_path}",
+                              "tuning.method=prefix", "plan=1:all:band(window=4)"])
+    assert res.exit_code == 2, res.output
+    assert "band in layer 1" in res.output and "Use another tuner" in res.output
+    assert "Traceback" not in res.output
+    assert not (tmp_path / "p").exists()
+    ok = runner.invoke(app, ["validate", *TINY, "name=p", f"output_dir={tmp_path}",
+                             "tuning.method=prefix", "plan=1:all:softmax"])
+    assert ok.exit_code == 0, ok.output

@@ -90,16 +90,19 @@ def file_option(option: str, path: Path) -> Path:
 
 
 def user_error_types() -> tuple[type[BaseException], ...]:
-    """Errors of use (bad config, data, model, plan, missing package, unwritable folder)."""
+    """Errors of use (bad config, data, model, plan, tuner, missing package, unwritable
+    folder)."""
     # start-up: imported on use, so that ``attnlab --help`` loads no transformers
     from .config import ConfigError
     from .core import RegistryError
     from .hf.arch import UnsupportedModelError
     from .hf.plan import PlanError
     from .tasks.base import DataFormatError, MissingPackageError
+    from .tuning.base import TuningError
 
     return (ConfigError, RegistryError, PlanError, UnsupportedModelError, DataFormatError,
-            MissingPackageError, FileNotFoundError, NotADirectoryError, PermissionError)
+            MissingPackageError, TuningError, FileNotFoundError, NotADirectoryError,
+            PermissionError)
 
 
 def message_of(error: BaseException) -> str:

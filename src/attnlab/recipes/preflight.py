@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..config import ConfigError, ExperimentConfig
 from ..core import mechanism_class
-from ..hf.check import check_model_config
+from ..hf.check import check_model_config, load_model_config
 from ..hf.plan import Plan
 from ..models import SIZES
 from ..tasks import get_task
@@ -84,6 +84,8 @@ def preflight(cfg: ExperimentConfig, load_data: bool = False) -> None:
     check_model_name(cfg.model.name)
     plan = check_run_selectors(cfg)  # class:/score selectors: an analysis, known names
     check_model_config(cfg.model.name, plan or None)  # architecture + plan, no weights
+    if plan:
+        check_tuner_plan(cfg, plan)
     if cfg.task.data_dir is None:
         require_package("datasets", "hub", f"task.data_dir: null (task {task.name!r} from "
                         "the Hugging Face hub)")
@@ -97,6 +99,23 @@ def preflight(cfg: ExperimentConfig, load_data: bool = False) -> None:
         nonempty(task.load(train_split, cfg.task.data_dir), cfg, train_split)
         for split in eval_splits_of(cfg, task):
             nonempty(task.load(split, cfg.task.data_dir), cfg, split)
+
+
+def check_tuner_plan(cfg: ExperimentConfig, plan: Plan) -> None:
+    """Refuse a tuner the plan's mechanisms cannot take, from the model's config (prefix
+    tuning with a mechanism that reads key j as token j: ``tuning.prefix.refuse_token_keyed``,
+    the check the tuner itself makes on the planned model)."""
+    from ..tuning.prefix import PrefixTunerConfig, refuse_token_keyed
+
+    _, tuner_cfg = resolve_tuning(cfg.tuning.method)
+    if not isinstance(tuner_cfg, PrefixTunerConfig):
+        return
+
+    config = load_model_config(cfg.model.name)
+    num_layers, num_heads = config.num_hidden_layers, config.num_attention_heads
+    resolved = plan.resolve(num_layers, num_heads)  # layer -> head -> config
+    refuse_token_keyed([list(resolved.get(li, {}).values()) for li in range(num_layers)],
+                       tuner_cfg.num_virtual_tokens)
 
 
 def nonempty(examples: list, cfg: ExperimentConfig, split: str) -> list:

@@ -56,6 +56,11 @@ DOUBLE_SEP_FAMILIES = ("roberta", "xlm-roberta", "camembert", "longformer", "mpn
 BERT_SPECIAL_IDS = (101, 102)
 
 
+class TuningError(ValueError):
+    """A tuner cannot be applied as asked (to this model, plan or task); the message says
+    why and what to use instead. The command line shows it as one line."""
+
+
 # ----------------------------------------------------------------------------- configs
 
 

@@ -45,6 +45,7 @@ from .base import (
     RequiresGradTuner,
     TaskInfo,
     TunerConfig,
+    TuningError,
     backbone_of,
     encoder_layers,
     finish_tuning,
@@ -192,7 +193,7 @@ def special_token_count(model: nn.Module, kind: str) -> int:
         return 2
     if kind in ("pair", "qa"):
         return 4 if model_family(model) in DOUBLE_SEP_FAMILIES else 3
-    raise ValueError(
+    raise TuningError(
         f"PASTA cannot infer the number of special tokens for task kind {kind!r}: pass "
         "task=TaskInfo(kind='single'|'pair'|'ner'|'qa') or pasta(num_special_tokens=N)"
     )
@@ -211,7 +212,7 @@ class PastaTuner(RequiresGradTuner):
         pad = task.pad_id if task.pad_id is not None else getattr(
             getattr(model, "config", None), "pad_token_id", None)
         if pad is not None and pad in special:
-            raise ValueError(
+            raise TuningError(
                 f"padding id {pad} is also a special id {tuple(special)}: padding is never "
                 "special; pass the tokenizer's boundary ids without its pad id"
             )

@@ -21,7 +21,9 @@ from peft 0.21.2 with transformers 5.23).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
@@ -33,6 +35,7 @@ from .base import (
     RequiresGradTuner,
     TaskInfo,
     TunerConfig,
+    TuningError,
     finish_tuning,
     register_tuner,
     set_trainable,
@@ -57,6 +60,30 @@ class PrefixTunerConfig(TunerConfig):
             raise ValueError("encoder_hidden_size must be >= 1")
 
 
+def token_keyed(table: Sequence[Sequence[Any]]) -> list[tuple[int, str]]:
+    """(layer, mechanism name) of every layer of a [layer][head] table of specs (or configs)
+    whose mechanism reads key j as token j (``caps.keys_are_tokens``: band, linformer,
+    jat, ...), which prefix tuning's extra keys would shift."""
+    names = [[parse_spec(spec)[0] if isinstance(spec, str) else getattr(spec, "name", None)
+              for spec in row if spec] for row in table]
+    return sorted({(li, name) for li, row in enumerate(names) for name in row
+                   if name and mechanism_class(name).caps.keys_are_tokens})
+
+
+def refuse_token_keyed(table: Sequence[Sequence[Any]], num_virtual_tokens: int) -> None:
+    """Raise :class:`TuningError` when a layer of ``table`` (see :func:`token_keyed`) holds a
+    mechanism that reads key j as token j."""
+    bad = token_keyed(table)
+    if bad:
+        where = ", ".join(f"{name} in layer {li}" for li, name in bad[:4])
+        raise TuningError(
+            f"prefix tuning adds {num_virtual_tokens} virtual keys in front of every "
+            f"layer's keys, but the plan puts mechanisms that read key j as token j "
+            f"there ({where}{', ...' if len(bad) > 4 else ''}). Use another tuner (pasta, "
+            "lora, adapter, bitfit) with this plan, or keep such mechanisms out of the plan."
+        )
+
+
 def _refuse_incompatible_plan(model: nn.Module, cfg: PrefixTunerConfig) -> None:
     """Prefix tuning prepends virtual keys (m = n + p); mechanisms that read key j as token j
     (band, linformer, jat, ...) would pair query i with the wrong keys, and a layer whose K/V
@@ -64,20 +91,10 @@ def _refuse_incompatible_plan(model: nn.Module, cfg: PrefixTunerConfig) -> None:
     report = applied_report(model)
     if report is None:
         return
-    bad = sorted({(li, parse_spec(spec)[0]) for li, row in enumerate(report.table)
-                  for spec in row
-                  if spec and mechanism_class(parse_spec(spec)[0]).caps.keys_are_tokens})
-    if bad:
-        where = ", ".join(f"{name} in layer {li}" for li, name in bad[:4])
-        raise ValueError(
-            f"prefix tuning adds {cfg.num_virtual_tokens} virtual keys in front of every "
-            f"layer's keys, but the applied plan puts mechanisms that read key j as token j "
-            f"there ({where}{', ...' if len(bad) > 4 else ''}). Use another tuner (pasta, "
-            "lora, adapter, bitfit) with this plan, or keep such mechanisms out of the plan."
-        )
+    refuse_token_keyed(report.table, cfg.num_virtual_tokens)
     if report.kv_heads or report.head_dims:
         changed = sorted({*report.kv_heads, *report.head_dims})
-        raise ValueError(
+        raise TuningError(
             f"prefix tuning needs every K/V head at the host's head size, but the applied "
             f"plan shrank the K/V projections or re-sized the heads of layers {changed}; use "
             "another tuner with it")
