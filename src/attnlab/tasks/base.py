@@ -25,7 +25,8 @@ output into a list of numpy arrays or tuples; the loop concatenates the lists), 
 variable-length outputs never need re-padding across batches.
 
 Split names: ``train``, ``dev``, ``test`` everywhere (plus MNLI's ``dev_matched`` ...);
-``valid``/``validation`` are accepted as aliases of ``dev``. ``data_dir`` may be the
+``valid``/``validation`` are accepted as aliases of ``dev``, also before a suffix (the hub's
+``validation_matched`` is ``dev_matched``). ``data_dir`` may be the
 shared data root (``../shared/data``), the task's own folder, ``"builtin"`` for the
 package's own samples where a task has one, or ``None`` for the Hugging Face hub where a
 task supports it.
@@ -158,8 +159,12 @@ def label_maps(task: Task) -> tuple[dict[int, str], dict[str, int]]:
 
 
 def canonical_split(split: str, available: Sequence[str], task: str) -> str:
-    """Map aliases (``validation`` -> ``dev``) and reject unknown splits with the known ones."""
+    """Map aliases (``validation`` -> ``dev``, ``validation_matched`` -> ``dev_matched``) and
+    reject unknown splits with the known ones."""
     name = SPLIT_ALIASES.get(split, split)
+    head, sep, tail = split.partition("_")
+    if name not in available and sep and head in SPLIT_ALIASES:
+        name = f"{SPLIT_ALIASES[head]}_{tail}"
     if name not in available:
         raise ValueError(
             f"task {task!r} has no split {split!r}; available splits: {', '.join(available)}"

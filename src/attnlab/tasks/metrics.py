@@ -171,7 +171,7 @@ def squad_scores(
             pred = predictions[qid]
             em[qid] = max(squad_exact(pred, g) for g in golds)
             f1[qid] = max(squad_f1(pred, g, version) for g in golds)
-        has[qid] = bool(golds[0]) if version == "2.0" else True
+        has[qid] = bool(answers)  # official: answerable = a non-empty answer list
     out = {"exact_match": 100 * _mean(em.values()), "f1": 100 * _mean(f1.values())}
     if version == "2.0":
         for tag, want in (("HasAns", True), ("NoAns", False)):
@@ -194,7 +194,7 @@ def best_null_threshold(
     """
     out = {}
     for name, fn in (("exact", squad_exact), ("f1", lambda p, g: squad_f1(p, g, "2.0"))):
-        has = {q: bool(_gold_list(a, "2.0")[0]) for q, a in gold_answers.items()}
+        has = {q: bool(a) for q, a in gold_answers.items()}
         raw = {
             q: max(fn(answer_texts.get(q, ""), g) for g in _gold_list(a, "2.0"))
             for q, a in gold_answers.items()
