@@ -60,7 +60,7 @@ class OptimConfig:
     # diff_prune: 1e-5, wd 0), else OPTIM_DEFAULTS; see ``with_optim_defaults``
     lr: float | None = None  # peak learning rate (default 5e-5)
     weight_decay: float | None = None  # AdamW decoupled decay, not on biases/LayerNorm (0.01)
-    warmup_ratio: float | None = None  # linear warmup over this share of the steps (0.1)
+    warmup_ratio: float | None = None  # warmup over floor(share x steps) steps (0.1)
     schedule: str | None = None  # "linear" (warmup, then linear decay) or "constant"
     max_grad_norm: float | None = 1.0  # gradient clipping (None = off)
     betas: tuple[float, float] = (0.9, 0.999)
@@ -80,7 +80,8 @@ class TrainConfig:
     keep_best: bool = True  # restore the best checkpoint (task metric) at the end
     keep_checkpoints: bool = False  # keep checkpoints + best copy of a finished run (resume)
     # batches of similar lengths (Hugging Face's group_by_length: megabatches of up to 50
-    # batches sorted by length): 1.5-2.9x fewer padded tokens on GLUE, a different batch order
+    # optimizer steps' examples sorted by length): 1.5-2.9x fewer padded tokens on GLUE, a
+    # different batch order
     group_by_length: bool = False
     mixed_precision: str = "no"  # "no", "bf16", "fp16" (Accelerate)
     log_every: int = 10  # optimizer steps between metrics.jsonl lines

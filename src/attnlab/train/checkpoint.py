@@ -36,6 +36,10 @@ class TrainerState:
     # the blocked engine's chunk size (ATTNLAB_CHUNK_ELEMS): sparse patterns draw their
     # attention-dropout masks per chunk, so a resumed run must chunk alike (None: not recorded)
     chunk_elems: int | None = None
+    # the steps since the last metrics.jsonl line: their count and summed loss / aux loss
+    log_steps: int = 0
+    log_loss: float = 0.0
+    log_aux: float | None = None
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:

@@ -51,9 +51,12 @@ class LoopSettings:
     process.  grad_accum: micro-batches per optimizer step.  epochs / max_steps: length
     (max_steps wins).  eval_every / save_every: optimizer steps between evaluations /
     checkpoints (None: once per epoch / at evaluations).  log_every: steps between
-    metrics.jsonl lines.  early_stopping_patience: evaluations without improvement before
-    stopping.  keep_best: restore the best evaluated weights at the end.  group_by_length:
-    batches of similar lengths.  max_grad_norm: gradient clipping (None: off).
+    metrics.jsonl lines (each line: the mean loss of the steps since the last one, as
+    Hugging Face's Trainer logs, and the schedule's lr after its step, i.e. the next step's:
+    docs/decisions.md).  early_stopping_patience:
+    evaluations without improvement before stopping.  keep_best: restore the best
+    evaluated weights at the end.  group_by_length: batches of similar lengths.
+    max_grad_norm: gradient clipping (None: off).
     """
 
     name: str
@@ -112,7 +115,7 @@ def plan_steps(settings: LoopSettings, features: Sequence[dict], rank: int = 0,
     """The step counts of a run over ``features`` (this process's share of each epoch)."""
     lengths = ([len(f["input_ids"]) for f in features] if settings.group_by_length else None)
     n_batches = len(epoch_batches(len(features), settings.batch_size, settings.seed, 0, rank,
-                                  world, lengths))
+                                  world, lengths, settings.grad_accum))
     if n_batches == 0:
         raise ValueError("the training set is empty (check task.train_limit / train_fraction)")
     per_epoch = math.ceil(n_batches / settings.grad_accum)
@@ -122,14 +125,17 @@ def plan_steps(settings: LoopSettings, features: Sequence[dict], rank: int = 0,
 
 
 def epoch_batches(n: int, batch_size: int, seed: int, epoch: int, rank: int,
-                  world: int, lengths: Sequence[int] | None = None) -> list[list[int]]:
+                  world: int, lengths: Sequence[int] | None = None,
+                  accum: int = 1) -> list[list[int]]:
     """This process's micro-batches of epoch ``epoch``: a (seed, epoch) permutation, sharded.
 
     lengths (one per example): group examples of similar length into the same batch, by
-    Hugging Face's ``get_length_grouped_indices`` (a seeded permutation cut into megabatches
-    of 50 global batches, fewer on small sets so there are at least 4, each sorted by
-    length, the longest batch first); rank r takes every world-th index, so every
-    process's batch k is cut from the same sorted run.
+    Hugging Face's ``get_length_grouped_indices`` over the examples of one optimizer step
+    (batch_size x accum x world; the Trainer's ``LengthGroupedSampler`` takes batch size x
+    gradient accumulation): a seeded permutation cut into megabatches of 50 steps'
+    examples, fewer on small sets so there are at least 4, each sorted by length, the
+    longest example first; rank r takes every world-th index, so every process's batch k
+    is cut from the same sorted run.
     """
     g = torch.Generator().manual_seed(seed * 100_003 + epoch)
     if lengths is None:
@@ -137,7 +143,8 @@ def epoch_batches(n: int, batch_size: int, seed: int, epoch: int, rank: int,
     else:
         if len(lengths) != n:
             raise ValueError(f"{len(lengths)} lengths for {n} examples")
-        perm = get_length_grouped_indices(list(lengths), batch_size * world, generator=g)
+        perm = get_length_grouped_indices(list(lengths), batch_size * accum * world,
+                                          generator=g)
     perm = perm[: len(perm) - len(perm) % world] if world > 1 else perm
     mine = perm[rank::world]
     return [mine[i : i + batch_size] for i in range(0, len(mine), batch_size)]
@@ -184,11 +191,11 @@ def fit(parts: LoopParts, settings: LoopSettings, plan: StepPlan, accelerator,
     bar = _progress_bar(settings.name, plan.total, state.step, accelerator)
     model.train()
     stop = _patience_spent(settings, state)  # a run that stopped early stays stopped on resume
-    running, t_start = 0.0, time.perf_counter()
+    running, t_start = 0.0, time.perf_counter()  # running: this optimizer step's loss
     running_aux: float | None = None  # aux-loss part of ``running`` (None: no aux loss)
     while state.step < plan.total and not stop:
         batches = epoch_batches(len(parts.train_features), settings.batch_size, settings.seed,
-                                state.epoch, rank, world, plan.lengths)
+                                state.epoch, rank, world, plan.lengths, settings.grad_accum)
         for bi in range(state.batch_in_epoch, len(batches)):
             accum = settings.grad_accum
             sync = (bi + 1) % accum == 0 or bi == len(batches) - 1
@@ -211,13 +218,11 @@ def fit(parts: LoopParts, settings: LoopSettings, plan: StepPlan, accelerator,
                             settings.max_grad_norm)
             state.step += 1
             bar.update(1)
+            state.log_steps, state.log_loss = state.log_steps + 1, state.log_loss + running
+            if running_aux is not None:
+                state.log_aux = (state.log_aux or 0.0) + running_aux
             if state.step % settings.log_every == 0 or state.step == plan.total:
-                record = {"step": state.step, "epoch": state.epoch, "loss": running,
-                          "lr": parts.scheduler.get_last_lr()[0]}
-                if running_aux is not None:  # the aux part of "loss" (already weighted)
-                    record["aux_loss"] = running_aux
-                log.write(record)
-                bar.set_postfix(loss=f"{running:.4f}", refresh=False)  # shown at the next refresh
+                _log_train(log, bar, state, parts.scheduler.get_last_lr()[0])
             running, running_aux = 0.0, None
             if state.step % plan.eval_every == 0 or state.step == plan.total:
                 state.train_seconds += time.perf_counter() - t_start
@@ -241,11 +246,28 @@ def fit(parts: LoopParts, settings: LoopSettings, plan: StepPlan, accelerator,
 
 def _optimizer_step(accelerator, optimizer, scheduler, trainable: list,
                     max_grad_norm: float | None) -> None:
+    """Clip (after unscaling, in Accelerate), step, advance the schedule. An update the fp16
+    loss scaler skipped (inf/NaN gradients) leaves the schedule where it is, as in
+    Accelerate's contract and Hugging Face's Trainer."""
     if max_grad_norm is not None:
         accelerator.clip_grad_norm_(trainable, max_grad_norm)
     optimizer.step()
-    scheduler.step()
+    if not accelerator.optimizer_step_was_skipped:
+        scheduler.step()
     optimizer.zero_grad(set_to_none=True)
+
+
+def _log_train(log: MetricsLog, bar, state: TrainerState, lr: float) -> None:
+    """One metrics.jsonl line: the mean loss (and aux loss) of the steps since the last
+    line, and ``lr``; the window lives in ``state``, so a resumed run logs what an
+    uninterrupted one does."""
+    loss = state.log_loss / state.log_steps
+    record = {"step": state.step, "epoch": state.epoch, "loss": loss, "lr": lr}
+    if state.log_aux is not None:  # the aux part of "loss" (already weighted)
+        record["aux_loss"] = state.log_aux / state.log_steps
+    log.write(record)
+    bar.set_postfix(loss=f"{loss:.4f}", refresh=False)  # shown at the next refresh
+    state.log_steps, state.log_loss, state.log_aux = 0, 0.0, None
 
 
 def _micro_step(parts: LoopParts, model, accelerator, indices: list[int], n_acc: int,
@@ -276,8 +298,10 @@ def start_state(accelerator, run_dir: Path, log: MetricsLog, resume: bool, total
         return state
     if accelerator.is_main_process:
         log.path.unlink(missing_ok=True)
-        # an older run's checkpoints would be taken for this run's by a later --resume
+        # an older run's checkpoints would be taken for this run's by a later --resume, and
+        # its best weights restored at the end of a run none of whose evaluations counted
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+        (run_dir / "best.safetensors").unlink(missing_ok=True)
     return TrainerState(chunk_elems=current_chunk_elems())
 
 
