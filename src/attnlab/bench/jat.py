@@ -10,10 +10,11 @@ Method (why it is done this way):
 
 * Every (form, n) measurement runs in a fresh Python subprocess. PyTorch has no CPU
   allocator statistics, so peak memory is the process's resident-set high-water mark
-  ``resource.getrusage(RUSAGE_SELF).ru_maxrss`` after the call minus the same value just
-  before it (after creating the inputs and a warm-up on a tiny input that loads kernels
-  and thread pools). A fresh process makes the high-water mark belong to this call alone;
-  it counts everything the call touches, so it is an upper bound on tensor memory.
+  after the call minus the resident size just before it (after creating the inputs and a
+  warm-up on a tiny input that loads kernels and thread pools; ``bench.speed.DevicePeak``:
+  Linux ``VmHWM``, reset at that point, elsewhere the lifetime ``ru_maxrss``). A fresh
+  process makes the high-water mark belong to this call alone; it counts everything the
+  call touches, so it is an upper bound on tensor memory.
 * In the subprocess: forward peak (under ``torch.no_grad``), then forward+backward peak
   (loss = sum of outputs; gradients of q, k, v), then timings: the median of ``repeats``
   calls for each (the memory runs serve as warm-up).
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from typing import Any, get_args
@@ -113,7 +115,7 @@ def measure(
             fn(q, k, v)
             peak.sync()
             times.append((time.perf_counter() - start) * 1000)
-        return sorted(times)[len(times) // 2]
+        return statistics.median(times)  # of an even count: the mean of the middle two
 
     out: dict[str, Any] = {
         "fwd_ms": median_ms(fwd),

@@ -25,10 +25,12 @@ that length; the others are skipped with the reason.
 Every finished cell is appended to ``rows.jsonl`` at once and never run again: a cell is
 identified by its kind, mechanism, task, seed and length plus the settings that change its
 result (steps, batch size, evaluation size, learning rate, device; for speed cells the
-repeats and threads); rows of other settings stay in the file but are not reused. A cell
-that fails is recorded with its error and does not stop the others (delete its line to
-retry it). The data of every task still to train is made before any cell runs, so a data
-error (no SST-2 under ``data_dir``) stops the run with nothing written. At the end:
+repeats and threads); rows of other settings stay in the file but are not reused. Each
+row names the commit it was measured on; ``lra.md`` says so when its cells come from more
+than one. A cell that fails is recorded with its error and does not stop the others
+(delete its line to retry it). The data of every task still to train is made before any
+cell runs, so a data error (no SST-2 under ``data_dir``) stops the run with nothing
+written. At the end:
 ``lra.json`` (settings, environment, the summary and every row), ``lra.md`` (the table) and
 ``lra.png`` (accuracy against speed, memory as marker size; none when no mechanism has the
 two).
@@ -46,7 +48,7 @@ from ..core import list_mechanisms, resolve_config
 from ..io import append_jsonl, atomic_write, read_jsonl, write_json
 from .lra_cell import ENCODER, build_model, measure_isolated_step, train_and_evaluate
 from .lra_data import DATA_SEED, TASK_TITLES, BenchData, bench_data, check_task
-from .speed import environment
+from .speed import code_commit, commits_note, environment
 from .suite import bench_spec
 
 BASELINE = "softmax"
@@ -236,11 +238,13 @@ def run_lra(
             return {**base, "error": _error(e)}
         return {**base, **res, "data": d.about}
 
+    commit = code_commit() if todo else None  # in each row: a resumed run may mix commits
+
     def run_all(cell_done: Callable[[str], None], step: Callable[[], None],
                 start: Callable[[tuple], None]) -> None:
         for job in todo:
             start(job)
-            row = run_cell(job, step)
+            row = {**run_cell(job, step), "commit": commit}
             append_jsonl(log, row)
             done[key[job]] = row
             cell_done(_describe(job, labels))
@@ -395,6 +399,9 @@ def format_table(results: dict[str, Any]) -> str:
     if results["data"]:
         lines.append("\nData: " + "; ".join(f"{TASK_TITLES[t]}: {a}"
                                            for t, a in results["data"].items()) + ".\n")
+    mixed = commits_note(results.get("rows", []))
+    if mixed:
+        lines.append("\n" + mixed)
     notes = [f"- `{e['label']}` speed cell: {e['speed_error']}\n"
              for e in results["table"] if "speed_error" in e]
     notes += [f"- `{e['label']}` {TASK_TITLES[t]}: {err}\n" for e in results["table"]

@@ -4,9 +4,11 @@
 sections, each with a title, prose that explains the method (no measured numbers: those
 come from the run), the command that measures it and the file that command leaves behind
 (a Markdown table, optionally a chart). It runs every section that has no recorded result
-yet (or those named with ``--only ... --rerun``), each into ``docs/bench/<id>/`` beside a
-``record.json`` that says when, where and on which commit the numbers were taken, and then
-writes ``docs/benchmarks.md`` from the manifest and those folders::
+of its command yet (none, or one recorded with another command; or those named with
+``--only ... --rerun``), each into ``docs/bench/<id>/`` beside a ``record.json`` that says
+which command ran, when, where and on which commit the numbers were taken, and then
+writes ``docs/benchmarks.md`` from the manifest and those folders (a section whose record
+is of another command says so there)::
 
     attnlab bench record --cpu 1                  # run what is missing, then render
     attnlab bench record --only map --rerun       # measure one section again
@@ -15,7 +17,8 @@ writes ``docs/benchmarks.md`` from the manifest and those folders::
 A section runs into ``docs/bench/<id>.partial/`` and replaces ``docs/bench/<id>/`` only
 when its command succeeds, so an interrupted record leaves the old result in place, and
 the partial folder (``bench speed`` and ``bench lra`` keep their finished cells there) lets
-the next run resume. Sections marked ``device = "cuda"`` run only where torch sees a GPU;
+the next run resume; the record then starts at the first run and names every commit the
+cells ran on. Sections marked ``device = "cuda"`` run only where torch sees a GPU;
 elsewhere their recorded folder (if any) is rendered as it is.
 """
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import shlex
 import shutil
 import subprocess
@@ -36,7 +40,7 @@ from typing import Any
 
 import yaml
 
-from ..io import atomic_write, write_json
+from ..io import append_jsonl, atomic_write, read_jsonl, write_json
 
 MANIFEST = Path("docs/bench/record.yaml")
 OUTPUT = Path("docs/benchmarks.md")
@@ -154,18 +158,56 @@ def _gpu(section: Section) -> str:
     return f", GPU: {torch.cuda.get_device_name(0)}"
 
 
+ATTEMPTS = "attempts.jsonl"  # in a partial folder: when and on which commit each run began
+
+
+def made_by(command: str | None, section: Section) -> bool:
+    """Whether ``command`` (a ``record.json``'s) is the section's manifest command with its
+    ``{out}`` at some one folder: the same command shown from any working folder."""
+    if command is None:
+        return False
+    parts = section.command.split("{out}")
+    if len(parts) == 1:
+        return command == section.command
+    pattern = (re.escape(parts[0]) + "(?P<out>.+?)" + re.escape(parts[1])  # later {out}s:
+               + "".join("(?P=out)" + re.escape(p) for p in parts[2:]))  # the same folder
+    return re.fullmatch(pattern, command, flags=re.DOTALL) is not None
+
+
+def _commits(commits: Sequence[str | None]) -> str:
+    """The commit line of a record: one commit, or those the section's cells ran on in
+    order (a resumed section, or code that changed while it ran)."""
+    shown = [c[:7] + (" with uncommitted changes" if c.endswith("-dirty") else "")
+             if c else "unknown (not a git checkout)" for c in commits]
+    kept = [c for i, c in enumerate(shown) if c not in shown[:i]]
+    if len(kept) == 1:
+        return kept[0]
+    return " then ".join(kept) + " (the code changed while the section's cells ran)"
+
+
 def run_section(section: Section, bench_dir: Path, cpu: int | None = None,
                 notify: Callable[[str], None] = print) -> dict[str, Any]:
     """Run one section into ``<bench_dir>/<id>.partial`` and swap it in on success.
 
-    Returns the record (also written to ``record.json``). Raises ``RecordError`` when the
-    command fails or leaves no table; the previous result stays where it was."""
+    A partial folder left by an interrupted or failed run is resumed (``bench speed`` and
+    ``bench lra`` keep their finished cells there); its ``attempts.jsonl`` says when and on
+    which commit each run began, so the record states the first start, every commit the
+    cells ran on (also the one at the end, if the code changed meanwhile) and how many
+    runs it took. Returns the record (also written to ``record.json``). Raises
+    ``RecordError`` when the command fails or leaves no table; the previous result stays
+    where it was."""
+    from ..recipes.rundir import git_commit, versions  # what a run's summary.json records
+
     final, partial = bench_dir / section.id, bench_dir / f"{section.id}.partial"
+    resumed = partial.is_dir() and any(partial.iterdir())
     partial.mkdir(parents=True, exist_ok=True)
+    earlier = read_jsonl(partial / ATTEMPTS)
     argv = _argv(section, partial)
     pin = (lambda: os.sched_setaffinity(0, {cpu})) if cpu is not None else None
     notify(f"[{section.id}] {shown_command(section, bench_dir)}")
     load0, t0, started = os.getloadavg(), time.perf_counter(), time.gmtime()
+    began = {"started": time.strftime("%Y-%m-%d %H:%M UTC", started), "commit": git_commit()}
+    append_jsonl(partial / ATTEMPTS, began)
     try:
         proc = subprocess.run(argv, preexec_fn=pin, text=True,
                               stdout=subprocess.PIPE if section.stdout else None)
@@ -179,15 +221,12 @@ def run_section(section: Section, bench_dir: Path, cpu: int | None = None,
     if not (partial / section.table).is_file():
         raise RecordError(f"[{section.id}] the command wrote no {section.table} in {partial}: "
                           "fix the section's 'table' in the manifest")
-    from ..recipes.rundir import git_commit, versions  # what a run's summary.json records
-
-    commit = git_commit() or "unknown (not a git checkout)"
+    attempts = [*earlier, began]
     record = {
         "id": section.id,
         "command": shown_command(section, bench_dir),
-        "commit": commit[:7] + (" with uncommitted changes" if commit.endswith("-dirty")
-                                else ""),
-        "started": time.strftime("%Y-%m-%d %H:%M UTC", started),
+        "commit": _commits([a.get("commit") for a in attempts] + [git_commit()]),
+        "started": attempts[0]["started"],
         "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "wall_s": round(time.perf_counter() - t0, 1),
         "machine": f"{os.cpu_count()} x {_cpu_model()}, {platform.system()} "
@@ -196,6 +235,11 @@ def run_section(section: Section, bench_dir: Path, cpu: int | None = None,
         "loadavg": [round(load0[0], 2), round(os.getloadavg()[0], 2)],
         "versions": {k: v for k, v in versions().items() if v is not None},
     }
+    if earlier:  # wall_s, loadavg (and pinned_cpu): of the last run
+        record["runs"] = len(attempts)
+    elif resumed:  # a partial folder from before attempts.jsonl was kept
+        record["resumed_unknown"] = True
+    (partial / ATTEMPTS).unlink()
     write_json(partial / "record.json", record)
     if final.exists():
         shutil.rmtree(final)
@@ -209,9 +253,15 @@ def _ran_line(rec: dict[str, Any]) -> str:
     pin = (f", pinned to CPU {rec['pinned_cpu']}" if rec.get("pinned_cpu") is not None
            else "")
     la = rec.get("loadavg") or ["?", "?"]
-    return (f"Measured {rec['started']} to {rec['finished']} ({rec['wall_s']:.0f} s), commit "
+    runs, took = rec.get("runs"), f"{rec['wall_s']:.0f} s"
+    if runs:
+        took += f" in the last of {runs} runs, each resuming what the ones before left"
+    elif rec.get("resumed_unknown"):
+        took += ", resuming the cells of an earlier run of unknown date and commit"
+    last = " (last run)" if runs or rec.get("resumed_unknown") else ""
+    return (f"Measured {rec['started']} to {rec['finished']} ({took}), commit "
             f"{rec['commit']}; {rec['machine']}{pin}; load average {la[0]} before, {la[1]} "
-            f"after; {vers}.")
+            f"after{last}; {vers}.")
 
 
 def render(preamble: str, sections: Sequence[Section], bench_dir: Path,
@@ -235,7 +285,11 @@ def render(preamble: str, sections: Sequence[Section], bench_dir: Path,
             need = " on a machine with a CUDA GPU" if s.device == "cuda" else ""
             parts.append(f"\nNot recorded yet: run `attnlab bench record --only {s.id}`{need}.\n")
             continue
-        parts.append("\n" + _ran_line(json.loads(rec_path.read_text())) + "\n\n"
+        rec = json.loads(rec_path.read_text())
+        stale = "" if made_by(rec.get("command"), s) else (
+            f"\nThese numbers come from another command, `{rec.get('command')}`; the one "
+            f"above has not been recorded yet: `attnlab bench record --only {s.id}`.\n")
+        parts.append(stale + "\n" + _ran_line(rec) + "\n\n"
                      + table.read_text(encoding="utf-8").strip() + "\n")
         if s.image and (folder / s.image).is_file():
             parts.append(f"\n![{s.title}]({rel / s.id / s.image})\n")
@@ -265,10 +319,15 @@ def record(manifest: str | os.PathLike = MANIFEST, output: str | os.PathLike = O
     ran, kept, failed = [], [], []
     if not render_only:
         for s in chosen:
-            done = (bench_dir / s.id / "record.json").is_file()
+            rec_path = bench_dir / s.id / "record.json"
+            done = rec_path.is_file() and made_by(
+                json.loads(rec_path.read_text()).get("command"), s)
             if (done and not rerun) or (s.device == "cuda" and not torch.cuda.is_available()):
                 kept.append(s.id)
                 continue
+            if rec_path.is_file() and not done:
+                notify(f"[{s.id}] recorded with another command than the manifest's: "
+                       "measuring it again")
             try:
                 run_section(s, bench_dir, cpu, notify)
                 ran.append(s.id)

@@ -4,16 +4,17 @@ Method (why it is done this way):
 
 * On CPU every (method, n) measurement runs in fresh Python subprocesses. PyTorch has no CPU
   allocator statistics, so peak memory is the process's resident-set high-water mark
-  ``resource.getrusage(RUSAGE_SELF).ru_maxrss`` after the call minus the same value just
-  before it (after creating the inputs and a warm-up on a tiny input that loads the
-  kernels and thread pools). A fresh process makes the high-water mark belong to this
-  call alone; ``MALLOC_MMAP_THRESHOLD_=65536`` makes glibc return freed buffers to the
-  system at once, so the mark follows live memory rather than allocator caching. It
-  counts everything the call touches (tensors, saved activations, gradients of q, k, v).
+  after the call minus the resident size just before it (after creating the inputs and a
+  warm-up on a tiny input that loads the kernels and thread pools; ``DevicePeak``: Linux
+  ``VmHWM``, reset at that point, elsewhere the lifetime ``ru_maxrss``). A fresh process
+  makes the high-water mark belong to this call alone; ``MALLOC_MMAP_THRESHOLD_=65536``
+  makes glibc return freed buffers to the system at once, so the mark follows live memory
+  rather than allocator caching. It counts everything the call touches (tensors, saved
+  activations, gradients of q, k, v).
 * Memory: the first forward (under ``torch.no_grad``), then the first forward+backward
   (loss = sum of outputs; gradients of q, k, v). Time, in a second subprocess with the
-  default allocator: one warm-up call, then the median of ``repeats`` calls, for the
-  forward (no grad) and for forward+backward.
+  default allocator: one warm-up call, then the median of ``repeats`` calls (of an even
+  count, the mean of the middle two), for the forward (no grad) and for forward+backward.
 * On CUDA (``--device cuda``) every measurement runs in this one process: the peak is
   ``torch.cuda.max_memory_allocated`` above what was allocated before the call, the clocks
   wait for the GPU, the warm-up is at n itself, and compiled FlexAttention graphs (one per
@@ -32,6 +33,7 @@ import json
 import os
 import platform
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -161,7 +163,7 @@ def measure(
             fn(run, inputs)
             peak.sync()
             times.append((time.perf_counter() - start) * 1000)
-        return sorted(times)[len(times) // 2]
+        return statistics.median(times)  # of an even count: the mean of the middle two
 
     if no_backward:
         return {"fwd_ms": median_ms(fwd), "forward_only": True, **out}
@@ -376,6 +378,37 @@ def environment(threads: int | None = None) -> dict[str, Any]:
         "cpu": platform.processor() or platform.machine(),
         "loadavg": os.getloadavg() if hasattr(os, "getloadavg") else None,
     }
+
+
+def code_commit() -> str | None:
+    """The commit of the code that measures (``recipes.rundir.git_commit``: ``-dirty`` when
+    src/ has changes; None outside a checkout). Resumable benches store it in each row."""
+    from ..recipes.rundir import git_commit
+
+    return git_commit()
+
+
+def short_commit(commit: str | None) -> str:
+    """``abc1234``, ``abc1234 with uncommitted changes`` or ``unknown``."""
+    if not commit:
+        return "unknown"
+    dirty = commit.endswith("-dirty")
+    return commit.removesuffix("-dirty")[:7] + (" with uncommitted changes" if dirty else "")
+
+
+def commits_note(rows: Sequence[dict[str, Any]]) -> str:
+    """A line naming the commits ``rows`` were measured on and how many cells each, when
+    there is more than one (a run resumed on other code); "" otherwise. Rows without a
+    ``commit`` count as ``unknown``."""
+    counts: dict[str, int] = {}
+    for r in rows:
+        c = short_commit(r.get("commit"))
+        counts[c] = counts.get(c, 0) + 1
+    if len(counts) < 2:
+        return ""
+    return ("Cells of this table were measured on more than one commit (a resumed run): "
+            + ", ".join(f"{c} ({k} cell{'s' if k > 1 else ''})" for c, k in counts.items())
+            + ".\n")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -4,7 +4,9 @@ Each (mechanism, n) pair is measured by ``bench.speed`` (fresh subprocesses: pea
 from the resident-set high-water mark, then the median time of the repeats, forward and
 forward+backward), with SDPA at every n in the same run as the ratio base. Rows are
 appended to ``rows.jsonl`` in the output folder as they finish, so an interrupted run
-resumes where it stopped (rows measured with other settings are not reused). At the end:
+resumes where it stopped (rows measured with other settings are not reused; each row names
+the commit it was measured on, and the table says so when its cells come from more than
+one). At the end:
 ``results.json`` (environment, rows, fitted exponents), ``table.md`` and ``scaling.png``.
 
 Mechanisms of scope "module" (they replace the host's projections, e.g. ``mqa``) are
@@ -44,6 +46,8 @@ from .speed import (
     SDPA,
     add_ratios,
     check_method,
+    code_commit,
+    commits_note,
     environment,
     measure_isolated,
     run_child,
@@ -143,6 +147,7 @@ def run_suite(
     log = out / "rows.jsonl"
     done = {_key(r): r for r in read_jsonl(log)}
     todo = [(m, n) for m, n in jobs if _key({"method": m, "n": n, **common}) not in done]
+    commit = code_commit() if todo else None  # in each row: a resumed run may mix commits
 
     def run_all(step: Callable[[str], None]) -> None:
         for method, n in todo:
@@ -151,6 +156,7 @@ def run_suite(
                 row = {"method": method, "n": n, **common, **res}
             except RuntimeError as e:  # one failing mechanism does not stop the table
                 row = {"method": method, "n": n, **common, "error": str(e).splitlines()[-1]}
+            row["commit"] = commit
             append_jsonl(log, row)
             done[_key(row)] = row
             step(f"{method} n={n}")
@@ -182,7 +188,8 @@ def run_suite(
                   if e is not None}
         scaling_plot([{**r, "method": labels.get(r["method"], r["method"])} for r in ok],
                      out / "scaling.png", title=env_title(results["environment"]),
-                     subject="one attention layer vs dense SDPA")
+                     subject="one attention layer vs dense SDPA; legend n^e: fitted "
+                             f"over n >= {fit_from}")
     return results
 
 
@@ -351,8 +358,12 @@ def format_table(results: dict[str, Any]) -> str:
         lines.append(f"| `{method}` | " + " | ".join(cells)
                      + f" | {'-' if e is None else f'{e:.2f}'} | {peak} | {mem} |\n")
     errors = [f"- `{r['method']}` at n = {r['n']}: {r['error']}\n" for r in rows if "error" in r]
+    fit_from = results.get("command_settings", {}).get("fit_from")
+    over = ("" if fit_from is None else
+            f" over the lengths n >= {fit_from} ('-' with fewer than two of them)")
     note = ("\nForward+backward ms (speed-up vs SDPA at the same n); exponent: least-squares "
-            "slope of log time on log n; '-': not run (quadratic beyond dense_max_n).\n")
+            f"slope of log time on log n{over}; '-' at a length: not run (quadratic beyond "
+            "dense_max_n).\n" + commits_note(rows))
     if any(r.get("forward_only") for r in rows):
         note += ("'fwd': forward only (no backward on this device), its speed-up, memory and "
                  "exponent against SDPA's forward; left out of the plot.\n")
