@@ -17,9 +17,9 @@ from attnlab.recipes.finetune import run_experiment
 from attnlab.train.loop import (
     LoopParts,
     LoopSettings,
-    _optimizer_step,
     epoch_batches,
     fit,
+    optimizer_step,
     plan_steps,
 )
 from attnlab.train.optim import OptimSettings, build_optimizer, param_groups, warmup_steps
@@ -159,10 +159,10 @@ def test_a_skipped_fp16_update_leaves_the_schedule():
     settings = OptimSettings(lr=1.0, weight_decay=0.0, warmup_ratio=0.5, schedule="linear")
     optimizer, scheduler = build_optimizer(model, settings, 4)
     model(torch.ones(1, 2)).sum().backward()
-    _optimizer_step(SimpleNamespace(optimizer_step_was_skipped=True), optimizer, scheduler,
+    optimizer_step(SimpleNamespace(optimizer_step_was_skipped=True), optimizer, scheduler,
                     [], None)
     assert scheduler.last_epoch == 0 and scheduler.get_last_lr()[0] == 0.0
-    _optimizer_step(SimpleNamespace(optimizer_step_was_skipped=False), optimizer, scheduler,
+    optimizer_step(SimpleNamespace(optimizer_step_was_skipped=False), optimizer, scheduler,
                     [], None)
     assert scheduler.last_epoch == 1 and scheduler.get_last_lr()[0] == 0.5
 

@@ -55,6 +55,7 @@ from ..train.loop import (
     MetricsLog,
     epoch_batches,
     fit,
+    optimizer_step,
     plan_steps,
     start_state,
 )
@@ -278,11 +279,8 @@ def train_stage1(parts: Stage1Parts, settings: Stage1Settings, accelerator, run_
         with accelerator.autocast():
             out = model(**batch)
             accelerator.backward(out.loss)
-        if settings.max_grad_norm is not None:
-            accelerator.clip_grad_norm_(trainable, settings.max_grad_norm)
-        optimizer.step()
-        parts.scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer_step(accelerator, optimizer, parts.scheduler, trainable,
+                       settings.max_grad_norm)
         state.step += 1
         state.epoch = task.epoch_of(parts.objective.task_steps_before(state.step))
         state.train_seconds += time.perf_counter() - t0

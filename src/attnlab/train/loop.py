@@ -214,7 +214,7 @@ def fit(parts: LoopParts, settings: LoopSettings, plan: StepPlan, accelerator,
                 state.epoch, state.batch_in_epoch = state.epoch + 1, 0
             if not sync:
                 continue
-            _optimizer_step(accelerator, optimizer, parts.scheduler, trainable,
+            optimizer_step(accelerator, optimizer, parts.scheduler, trainable,
                             settings.max_grad_norm)
             state.step += 1
             bar.update(1)
@@ -244,7 +244,7 @@ def fit(parts: LoopParts, settings: LoopSettings, plan: StepPlan, accelerator,
     return state
 
 
-def _optimizer_step(accelerator, optimizer, scheduler, trainable: list,
+def optimizer_step(accelerator, optimizer, scheduler, trainable: list,
                     max_grad_norm: float | None) -> None:
     """Clip (after unscaling, in Accelerate), step, advance the schedule. An update the fp16
     loss scaler skipped (inf/NaN gradients) leaves the schedule where it is, as in
