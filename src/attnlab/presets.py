@@ -44,6 +44,11 @@ def bert_jat(
 ) -> list[dict[str, Any]]:
     """Plan rules putting Jump Self-attention on the official layers and heads of a BERT.
 
+    The heads follow the official selection rule (:func:`jat_heads_of`); their number,
+    ``jat_heads=6`` of 12, is this preset's default, not the official code's: its
+    ``oheads=10`` default leaves ``use = 12 - 10 = 2`` JAT heads (0 and 2), which is
+    ``jat_heads=2``.
+
     ``jat_args`` are ``jat`` config fields (rho, coef, order, ...); they are checked at
     once, so a misspelt key raises here with the close matches. Returns
     ``[{"layers": [...], "heads": [...], "mechanism": "jat(...)"}]``; the default layers
