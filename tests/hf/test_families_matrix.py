@@ -41,7 +41,8 @@ from attnlab.tuning import TaskInfo, count_parameters, list_tuners, resolve_tuni
 
 # ModernBERT's local layers: a mechanism without a score pattern ignores the window, as
 # docs/decisions.md #21 chose; the plans here put such mechanisms there on purpose.
-pytestmark = pytest.mark.filterwarnings("ignore:mechanism .* is not softmax over a pattern")
+pytestmark = [pytest.mark.filterwarnings("ignore:mechanism .* is not softmax over a pattern"),
+              pytest.mark.usefixtures("one_thread")]
 
 SMALL = dict(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
              intermediate_size=37, max_position_embeddings=64, initializer_range=0.2)
@@ -74,15 +75,6 @@ HEADS = ("ForSequenceClassification", "ForTokenClassification", "ForQuestionAnsw
          "ForMaskedLM")
 LENGTHS = (12, 7, 3)
 BERT_STYLE_LAYERS = {"bert", "roberta", "xlm-roberta", "camembert", "electra", "ernie"}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one thread is faster than several, which wait on each other."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _class(family: str, suffix: str):

@@ -18,15 +18,7 @@ TEXTS = ["the cat sat on the mat while the dog slept", "she gave him a book abou
          "they will arrive late because of the snow", "we know that the river floods often"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny shapes run faster on one thread (no OpenMP spinning on a shared 2-core CPU)."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _config(tmp: Path, **retrieval) -> Path:

@@ -27,13 +27,7 @@ TEXTS = ["the cat sat on the mat while the dog slept", "she gave him a book abou
          "we know that the river floods every spring", "he seems to like the new teacher"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny shapes run faster on one thread (no OpenMP spinning on a shared 2-core CPU)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def write_hits(path: Path, texts: list[str]) -> Path:
