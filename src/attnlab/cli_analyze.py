@@ -39,6 +39,16 @@ def _progress(items: Iterable[T], total: int, description: str) -> Iterable[T]:
                  transient=True)
 
 
+def _print_table(table: Table) -> None:
+    """Print ``table`` at least as wide as its widest header and cell: rich would otherwise
+    cut them to fit the console (80 columns when piped), e.g. 217463 to "2174…"."""
+    from rich.measure import Measurement  # start-up: only commands that print tables
+
+    need = Measurement.get(console, console.options.update_width(10_000), table).maximum
+    wide = console if need <= console.width else Console(width=need, file=console.file)
+    wide.print(table)
+
+
 def _print_summary(result: Any, out: Path) -> None:
     # start-up: the plots load matplotlib, the recipe transformers
     from .analysis.plots import CLASS_ABBREV
@@ -58,7 +68,7 @@ def _print_summary(result: Any, out: Path) -> None:
     for r in rows:
         table.add_row(str(r["layer"]), *(str(r[k]) for k in counts),
                       *(f"{r[k]:.3f}" for k in means))
-    console.print(table)
+    _print_table(table)
     console.print("classes: " + ", ".join(f"{CLASS_ABBREV.get(k[2:], '?')} = {k[2:]}"
                                           for k in counts))
     console.print(f"wrote {out}/ (head_scores.csv/json, layer_summary.md, figures)")
@@ -325,7 +335,7 @@ def links(
     shares = result.shares  # [r, L]
     for layer in range(shares.shape[1]):
         table.add_row(str(layer), *(_percent(float(s)) for s in shares[:, layer]))
-    console.print(table)
+    _print_table(table)
     if out is not None:
         meta = {"model": loaded.name, "text": source.describe(), "max_length": max_length,
                 "batch_size": batch_size}
@@ -432,7 +442,7 @@ def connections(
         for r in rows:
             table.add_row(*(str(v) for v in r.values()))
         table.add_row("all", *(str(sum(r[k] for r in rows)) for k in list(rows[0])[1:]))
-        console.print(table)
+        _print_table(table)
         console.print(f"wrote {folder}/ (connections.csv/json, connections_per_layer"
                       f"{{,_nosep}}.png/svg)")
     if compare is not None:

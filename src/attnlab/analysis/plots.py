@@ -235,7 +235,7 @@ def attention_map(
     fig = _figure(side + 0.8, side)
     ax = fig.add_subplot()
     im = ax.imshow(a, cmap=cmap, vmin=0.0, vmax=vmax, aspect="equal")
-    fig.colorbar(im, ax=ax, shrink=0.8)
+    fig.colorbar(im, ax=ax, shrink=0.8, label="attention weight")
     if tokens is not None:
         size = 7 if n <= 40 else 5
         ax.set_xticks(range(n), labels=list(tokens), rotation=90, fontsize=size)

@@ -200,7 +200,8 @@ def _training_html(history: Sequence[Mapping[str, Any]], *, task: str, model: st
         names = list(dict.fromkeys(k for r in evals for k in r["eval"]))
         head = "".join(f"<th>{html.escape(n)}</th>" for n in names)
         body = "".join(
-            f"<tr><td>{r.get('step', '')}</td><td>{r.get('epoch', '')}</td>"
+            f"<tr><td>{html.escape(str(r.get('step', '')))}</td>"
+            f"<td>{html.escape(str(r.get('epoch', '')))}</td>"
             + "".join(f"<td>{html.escape(shown(r['eval'].get(n)))}</td>" for n in names)
             + "</tr>" for r in evals)
         parts.append(f'<details><summary>Evaluations ({len(evals)})</summary>'

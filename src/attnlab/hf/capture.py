@@ -11,6 +11,12 @@ A model that is not on "attnlab" is switched to it for the capture (all heads pl
 softmax, the same function as "sdpa"/"eager") and switched back afterwards. Capture runs in
 eval mode under ``torch.no_grad()``; the training flag is restored.
 
+Padding: a padded key gets probability 0 in every row (except under a mechanism that
+declares ``key_mask_ok=False``, which warns that it does not mask padding); the row of a
+padded query is computed like any other (over the real keys) and means nothing, so crop
+each example to its real tokens with ``attention_mask`` (as ``attnlab.analysis.token_infos``
+does) before using the maps.
+
 Mechanisms that never form an n x m probability matrix (linearised, low-rank, ...) cannot be
 captured: by default that is an error naming the layer and mechanism; with
 ``on_missing="none"`` such layers map to ``None`` instead.
