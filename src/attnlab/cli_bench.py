@@ -94,9 +94,8 @@ def bench_speed(
     lengths = positive_ints(n, "--n")
     _check_device(device)
     from .bench.suite import format_table, run_suite
-    from .core.spec import split_top
 
-    names = [m.strip() for m in split_top(mechanisms, ",") if m.strip()] if mechanisms else None
+    names = _mechanism_names(mechanisms)
     with user_errors():
         results = run_suite(out, names, lengths, repeats=repeats,
                             threads=threads, dense_max_n=dense_max_n, fit_from=fit_from,
@@ -105,6 +104,20 @@ def bench_speed(
     console.print(f"saved {out}/results.json, {out}/table.md"
                   + (f", {out}/scaling.png" if Path(out, "scaling.png").is_file() else ""),
                   markup=False, soft_wrap=True)
+
+
+def _mechanism_names(mechanisms: str | None) -> list[str] | None:
+    """The names or specs of ``--mechanisms`` (None when the option is not given: every
+    mechanism); ``fail`` when it is given and names none (``--mechanisms ,``)."""
+    from .core.spec import split_top
+
+    if mechanisms is None:
+        return None
+    names = [m.strip() for m in split_top(mechanisms, ",") if m.strip()]
+    if not names:
+        fail(f"--mechanisms {mechanisms!r} names no mechanism; give names or specs separated "
+             "by commas, e.g. --mechanisms softmax,band(window=64), or leave it out for all")
+    return names
 
 
 def bench_jat(
@@ -209,10 +222,11 @@ def bench_lra(
     """A Long Range Arena of our own: accuracy, speed and memory vs softmax (resumable)."""
     folder_option("--out", out)
     at_least("--seeds", seeds)
-    from .core.spec import split_top
 
-    names = [m.strip() for m in split_top(mechanisms, ",") if m.strip()] if mechanisms else None
+    names = _mechanism_names(mechanisms)
     tasks = [t.strip() for item in (task or ["listops"]) for t in item.split(",") if t.strip()]
+    if not tasks:
+        fail(f"--task {','.join(task or [])!r} names no task; give listops, recall or text")
     with user_errors(ValueError):
         import torch
 

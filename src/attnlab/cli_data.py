@@ -15,6 +15,7 @@ are removed again (``attnlab.io.write_splits``, through the tasks' ``write_*``).
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -110,6 +111,10 @@ def recall(
         help="Fill the non-query slots with random symbols.")] = True,
 ) -> None:
     """Generate multi-query associative recall (Zoology's MQAR; defaults: Zoology's)."""
+    if not 0 <= seed < 2**32:  # numpy's RandomState
+        fail(f"--seed {seed}: give a whole number in 0 .. 2**32 - 1")
+    if not (math.isfinite(power_a) and power_a != 0):  # 0, nan, inf: no probabilities
+        fail(f"--power-a {power_a}: give a finite number other than 0, e.g. 0.01 (1: uniform)")
     out = folder_option("--out", out.expanduser())
     with user_errors(ValueError, OSError), _as_options(
             num_train="--num-train", num_dev="--num-dev", num_test="--num-test",

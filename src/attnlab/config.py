@@ -11,7 +11,7 @@ import dataclasses
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import yaml
 
@@ -162,11 +162,15 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             if key.strip() == "plan" and raw.strip()[:1] not in ("[", ""):
                 val = plan_value(raw)  # a named plan or LAYERS:HEADS:SPEC rules
             else:
-                val = yaml.safe_load(raw)
+                val = yaml.load(raw, Loader=_UniqueKeyLoader)
         except RegistryError as e:
             raise ConfigError(f"override {item!r}: {e}") from None
         except yaml.YAMLError as e:
-            raise ConfigError(f"override {item!r}: value is not valid YAML ({e})") from None
+            what = getattr(e, "problem", None) or str(e).splitlines()[0]
+            fix = ("" if isinstance(e, yaml.constructor.ConstructorError) else
+                   "; quote a value that holds YAML's special characters")
+            raise ConfigError(f"override {item!r}: value is not valid YAML ({what}){fix}"
+                              ) from None
         node = out
         parts = key.strip().split(".")
         for p in parts[:-1]:
@@ -249,6 +253,11 @@ def computed_analysis(analysis: str) -> bool:
     return text == "task" or text.startswith("task:")
 
 
+def _path_text(x: Any) -> TypeGuard[str]:
+    """A string that can be a path (one holding NUL is refused by ``validate``)."""
+    return isinstance(x, str) and "\0" not in x
+
+
 def _paths_from(folder: Path, data: dict[str, Any]) -> dict[str, Any]:
     """Relative paths written in a config file are relative to that file: ``task.data_dir``
     and ``analysis`` (unless ``task``/``task:NAME``) always, ``model.name`` when it names an
@@ -256,7 +265,7 @@ def _paths_from(folder: Path, data: dict[str, Any]) -> dict[str, Any]:
     as overrides stay relative to the current folder, and ``output_dir`` too (where the user
     runs is where runs go)."""
     task, model = data.get("task"), data.get("model")
-    if isinstance(task, dict) and isinstance(task.get("data_dir"), str):
+    if isinstance(task, dict) and _path_text(task.get("data_dir")):
         d = task["data_dir"]
         if d != "builtin" and not Path(d).expanduser().is_absolute():
             here = (folder / d).resolve()
@@ -264,9 +273,9 @@ def _paths_from(folder: Path, data: dict[str, Any]) -> dict[str, Any]:
             if here.exists() or not Path(d).exists():
                 data = {**data, "task": {**task, "data_dir": str(here)}}
     a = data.get("analysis")
-    if isinstance(a, str) and not computed_analysis(a) and not Path(a).expanduser().is_absolute():
+    if _path_text(a) and not computed_analysis(a) and not Path(a).expanduser().is_absolute():
         data = {**data, "analysis": str((folder / Path(a).expanduser()).resolve())}
-    if isinstance(model, dict) and isinstance(model.get("name"), str):
+    if isinstance(model, dict) and _path_text(model.get("name")):
         name = model["name"]
         if not Path(name).is_absolute() and (folder / name / "config.json").is_file():
             data = {**data, "model": {**model, "name": str((folder / name).resolve())}}
@@ -313,6 +322,14 @@ def validate(cfg: ExperimentConfig) -> None:
                           f"{o.eps} and {list(o.betas)}")
     if cfg.model.dropout is not None and not 0 <= cfg.model.dropout < 1:
         raise ConfigError(f"model.dropout must be in [0, 1), got {cfg.model.dropout}")
+    if not 0 <= cfg.seed < 2**32:  # what numpy and Python's random take
+        raise ConfigError(f"seed must be in 0 .. 2**32 - 1, got {cfg.seed}")
+    for key, text in (("name", cfg.name), ("output_dir", cfg.output_dir),
+                      ("model.name", cfg.model.name), ("task.data_dir", cfg.task.data_dir),
+                      ("analysis", cfg.analysis)):
+        if text is not None and "\0" in text:
+            raise ConfigError(f"{key} {text!r} holds a NUL character, which no path can; "
+                              "remove it")
     name = cfg.name
     if not name or name in (".", "..") or "/" in name or "\\" in name:
         raise ConfigError(f"name {name!r} must be one folder name (no '/', not '.' or '..'); "

@@ -18,6 +18,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -32,9 +33,10 @@ class RegistryError(KeyError):
 
 
 def did_you_mean(word: str, choices: Sequence[str]) -> str:
-    """``"; did you mean 'x'?"`` from the closest choices (case-insensitive), or ``""``."""
+    """``"; did you mean 'x'?"`` from the closest choices (case-insensitive), or ``""``.
+    ``word`` may be any value (a YAML key can be a number or null)."""
     lower = {c.lower(): c for c in choices}
-    hits = [lower[h] for h in difflib.get_close_matches(word.lower(), list(lower), n=3,
+    hits = [lower[h] for h in difflib.get_close_matches(str(word).lower(), list(lower), n=3,
                                                         cutoff=0.5)]
     return f"; did you mean {', '.join(repr(h) for h in hits)}?" if hits else ""
 
@@ -114,6 +116,8 @@ def parse_spec(spec: str, kind: str = "mechanism", example: str = "band(window=6
     for kw in node.keywords:
         if kw.arg is None:
             raise RegistryError(f"{kind} spec {spec!r}: ** is not allowed")
+        if kw.arg in kwargs:
+            raise RegistryError(f"{kind} spec {spec!r}: {kw.arg!r} is given twice; keep one")
         try:
             kwargs[kw.arg] = ast.literal_eval(kw.value)
         except ValueError:
@@ -125,13 +129,16 @@ def parse_spec(spec: str, kind: str = "mechanism", example: str = "band(window=6
 
 # ----------------------------------------------------------------------------- types
 
+INT64 = 2**63  # ints must lie in [-INT64, INT64): torch and numpy take no larger
+
 
 def coerce(where: str, tp: Any, val: Any, from_yaml: bool = False) -> Any:
     """``val`` checked (and lightly converted) against the annotation ``tp``.
 
     ints pass for floats; lists become tuples (a scalar a 1-tuple for ``tuple[X, ...]``);
-    bool is not a number. from_yaml: also accept what YAML 1.1 reads as a string
-    (``5e-5`` for a float) and numbers for strings. Raises TypeError naming ``where``.
+    bool is not a number; a float must be finite (not nan or inf) and an int fit in 64 bits
+    (what torch takes). from_yaml: also accept what YAML 1.1 reads as a string (``5e-5``
+    for a float) and numbers for strings. Raises TypeError naming ``where``.
     """
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
@@ -173,10 +180,19 @@ def coerce(where: str, tp: Any, val: Any, from_yaml: bool = False) -> Any:
                 raise TypeError(f"{where} must be a number, got {val!r}") from None
         if isinstance(val, bool) or not isinstance(val, (int, float)):
             raise TypeError(f"{where} must be a number, got {val!r}")
-        return float(val)
+        try:
+            out = float(val)
+        except OverflowError:  # an int beyond any float
+            out = math.inf
+        if not math.isfinite(out):
+            raise TypeError(f"{where} must be a finite number, got {out!r}")
+        return out
     if tp is int:
         if isinstance(val, bool) or not isinstance(val, int):
             raise TypeError(f"{where} must be an integer, got {val!r}")
+        if not -INT64 <= val < INT64:
+            raise TypeError(f"{where} must be an integer below 2**63 in size (64 bits), got "
+                            f"{val}")
         return val
     if tp is bool:
         if not isinstance(val, bool):
@@ -222,7 +238,11 @@ def split_spec(spec: str | Mapping[str, Any] | object, kind: str, example: str
         kwargs = dict(spec)
         if "name" not in kwargs:
             raise RegistryError(f"{kind} mapping {dict(spec)!r} needs a 'name' key")
-        return kwargs.pop("name"), kwargs
+        name = kwargs.pop("name")
+        if not isinstance(name, str):
+            raise RegistryError(f"{kind} mapping {dict(spec)!r}: 'name' must be a string "
+                                f"naming one, e.g. {example}")
+        return name, kwargs
     raise TypeError(f"{kind} spec must be a string, mapping or config, got {type(spec)}")
 
 

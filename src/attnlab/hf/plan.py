@@ -63,6 +63,18 @@ class PlanError(ValueError):
 # ------------------------------------------------------------------------------ index parsing
 
 
+# No model has this many layers or heads: a larger index (a range 0-99999999999 would be
+# a list of that many) is a typo, refused before it is expanded.
+MAX_INDEX = 65535
+
+
+def _index_in_reach(index: int, what: str) -> int:
+    if index > MAX_INDEX:
+        raise PlanError(f"{what}: index {index} is larger than any model's layers or heads "
+                        f"(at most {MAX_INDEX}); write indices of the model, or 'all'")
+    return index
+
+
 def _parse_index_item(item: Any, what: str) -> list[int]:
     """One element of a layers/heads list: an int, or a string "3", "0-2" or "1,4-5"."""
     if isinstance(item, bool):
@@ -70,7 +82,7 @@ def _parse_index_item(item: Any, what: str) -> list[int]:
     if isinstance(item, int):
         if item < 0:
             raise PlanError(f"{what}: negative index {item}; indices are 0-based and >= 0")
-        return [item]
+        return [_index_in_reach(item, what)]
     if isinstance(item, str):
         out: list[int] = []
         for part in item.replace(" ", "").split(","):
@@ -80,6 +92,8 @@ def _parse_index_item(item: Any, what: str) -> list[int]:
             try:
                 a = int(lo)
                 b = int(hi) if sep else a
+                if min(a, b) < 0:  # "0--2": a range to a negative index
+                    raise ValueError
             except ValueError:
                 raise PlanError(
                     f"{what}: cannot read {item!r}; write 'all', an int, a list of ints, or "
@@ -87,7 +101,7 @@ def _parse_index_item(item: Any, what: str) -> list[int]:
                 ) from None
             if b < a:
                 raise PlanError(f"{what}: range {part!r} runs backwards; write '{b}-{a}'")
-            out.extend(range(a, b + 1))
+            out.extend(range(a, _index_in_reach(b, what) + 1))
         if not out:
             raise PlanError(f"{what}: empty index string {item!r}")
         return out
@@ -248,7 +262,7 @@ def _rule_from_mapping(raw: Mapping[str, Any], pos: int, text: str | None = None
     """One rule from its mapping; ``text``: the compact form it was written in, which errors
     quote instead of the mapping."""
     where = f"plan rule {pos} ({text if text is not None else dict(raw)!r})"
-    unknown = sorted(set(raw) - {"layers", "heads", "mechanism"})
+    unknown = sorted(set(raw) - {"layers", "heads", "mechanism"}, key=str)  # keys of any type
     if unknown:
         raise PlanError(f"{where}: " + unknown_parameter(unknown[0], "a plan rule",
                                                           ["layers", "heads", "mechanism"]))
@@ -344,7 +358,9 @@ class Plan:
                 data = yaml.safe_load(s)
             except yaml.YAMLError as e:
                 raise PlanError(f"cannot parse the plan as JSON/YAML: {e}") from None
-            return cls.parse(data if data is not None else [])
+            if not isinstance(data, str):
+                return cls.parse(data if data is not None else [])
+            s = data.strip()  # a YAML string ("-1:all:band", quoted or not): compact rules
         return cls(tuple(_rule_from_compact(p, i) for i, p in enumerate(split_top(s, ";"))
                          if p.strip()))
 

@@ -49,6 +49,22 @@ def check_model_name(name: str) -> None:
             "embedded MiniLM) or 'scratch:SIZE'")
 
 
+def check_attn_implementation(name: str) -> None:
+    """``model.attn_implementation``: ``eager`` or one registered with transformers
+    (``sdpa``, ``flex_attention``, ``flash_attention_2``, ...), optionally ``paged|``, or a
+    hub kernel ``org/repo`` (which transformers fetches itself)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    known = ["eager", *ALL_ATTENTION_FUNCTIONS.valid_keys()]
+    if name.removeprefix("paged|") in known or "/" in name:
+        return
+    from ..hf.backend import BACKEND  # attnlab's own, which plans set: not for the config
+
+    shown = sorted(set(known) - {BACKEND})
+    raise ConfigError(f"model.attn_implementation {name!r} is not an attention of "
+                      f"transformers; use one of {', '.join(shown)}")
+
+
 def check_task_ids(plan: Plan | None, task_id: int | None) -> None:
     """``task.task_id`` conditions task-conditioned mechanisms (``Capabilities.
     task_conditioned``): it needs one in the plan, each of those needs an id (the run's or
@@ -82,6 +98,7 @@ def preflight(cfg: ExperimentConfig, load_data: bool = False) -> None:
     check_task_ids(Plan.parse(cfg.plan) if cfg.plan else None, cfg.task.task_id)
     resolve_tuning(cfg.tuning.method)
     check_model_name(cfg.model.name)
+    check_attn_implementation(cfg.model.attn_implementation)
     plan = check_run_selectors(cfg)  # class:/score selectors: an analysis, known names
     check_model_config(cfg.model.name, plan or None)  # architecture + plan, no weights
     if plan:
