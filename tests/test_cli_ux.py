@@ -213,3 +213,15 @@ def test_prefix_with_a_token_keyed_plan_is_one_line_and_writes_nothing(tmp_path,
     ok = runner.invoke(app, ["validate", *TINY, "name=p", f"output_dir={tmp_path}",
                              "tuning.method=prefix", "plan=1:all:softmax"])
     assert ok.exit_code == 0, ok.output
+
+
+def test_prefix_beyond_the_models_positions_is_refused_by_validate(tmp_path):
+    """Prefix tuning shifts the tokens' positions by its length: more positions than the
+    model has is refused from the config (it had failed inside the embedding lookup)."""
+    res = runner.invoke(app, ["validate", *TINY, "name=p", f"output_dir={tmp_path}",
+                              "tuning.method=prefix(num_virtual_tokens=600)"])
+    assert res.exit_code == 2, res.output
+    assert "max_position_embeddings" in res.output and "shift_positions=False" in res.output
+    ok = runner.invoke(app, ["validate", *TINY, "name=p", f"output_dir={tmp_path}",
+                             "tuning.method=prefix(num_virtual_tokens=600, shift_positions=False)"])
+    assert ok.exit_code == 0, ok.output

@@ -8,7 +8,13 @@ import torch
 from tuning_helpers import make_family
 
 from attnlab.hf import UnsupportedModelError
-from attnlab.tuning import TaskInfo, count_parameters, resolve_tuning, tuning_record
+from attnlab.tuning import (
+    TaskInfo,
+    TuningError,
+    count_parameters,
+    resolve_tuning,
+    tuning_record,
+)
 
 D, I, VOCAB, LAYERS = 16, 32, 60, 2  # tuning_helpers.TINY
 XLMR_BACKBONE = (VOCAB + 40 + 1 + 2) * D + LAYERS * (4 * (D * D + D) + 2 * D * I + D + I
@@ -112,6 +118,19 @@ def test_lora_without_default_targets_names_the_option():
     tuner, cfg = resolve_tuning("lora(r=2, target_modules=('query', 'value'))")
     model = tuner.apply(make_family("data2vec-text"), cfg)
     assert any(".lora_A." in n for n, _ in model.named_parameters())
+
+
+def test_lora_target_modules_must_name_modules_of_the_model():
+    """An empty name is a config error; a name no module ends with is refused in one line
+    naming the model's linear layers (peft's own error is a multi-line traceback)."""
+    for spec in ("lora(target_modules='')", "lora(target_modules=())",
+                 "lora(target_modules=('query', ' '))"):
+        with pytest.raises(Exception, match="target_modules must name modules"):
+            resolve_tuning(spec)
+    tuner, cfg = resolve_tuning("lora(r=2, target_modules=('qury',))")
+    with pytest.raises(TuningError, match=r"named 'qury'.*query") as err:
+        tuner.apply(make_family("roberta"), cfg)
+    assert "\n" not in str(err.value)
 
 
 def test_lora_refuses_a_backbone_module_peft_would_take_for_the_head():

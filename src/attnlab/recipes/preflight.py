@@ -101,8 +101,7 @@ def preflight(cfg: ExperimentConfig, load_data: bool = False) -> None:
     check_attn_implementation(cfg.model.attn_implementation)
     plan = check_run_selectors(cfg)  # class:/score selectors: an analysis, known names
     check_model_config(cfg.model.name, plan or None)  # architecture + plan, no weights
-    if plan:
-        check_tuner_plan(cfg, plan)
+    check_tuner_fits(cfg, plan or None)
     if cfg.task.data_dir is None:
         require_package("datasets", "hub", f"task.data_dir: null (task {task.name!r} from "
                         "the Hugging Face hub)")
@@ -118,21 +117,30 @@ def preflight(cfg: ExperimentConfig, load_data: bool = False) -> None:
             nonempty(task.load(split, cfg.task.data_dir), cfg, split)
 
 
-def check_tuner_plan(cfg: ExperimentConfig, plan: Plan) -> None:
-    """Refuse a tuner the plan's mechanisms cannot take, from the model's config (prefix
-    tuning with a mechanism that reads key j as token j: ``tuning.prefix.refuse_token_keyed``,
-    the check the tuner itself makes on the planned model)."""
+def check_tuner_fits(cfg: ExperimentConfig, plan: Plan | None) -> None:
+    """Refuse, from the model's config, a prefix tuner the run cannot take: a plan mechanism
+    that reads key j as token j (``tuning.prefix.refuse_token_keyed``, the check the tuner
+    itself makes on the planned model), or, with ``shift_positions``, more positions
+    (prefix + ``model.max_length``) than the model has."""
     from ..tuning.prefix import PrefixTunerConfig, refuse_token_keyed
 
     _, tuner_cfg = resolve_tuning(cfg.tuning.method)
     if not isinstance(tuner_cfg, PrefixTunerConfig):
         return
-
     config = load_model_config(cfg.model.name)
+    p = tuner_cfg.num_virtual_tokens
+    positions = getattr(config, "max_position_embeddings", None)
+    if tuner_cfg.shift_positions and positions is not None and p + cfg.model.max_length > positions:
+        raise ConfigError(
+            f"tuning.method: prefix's {p} virtual tokens shift the tokens' positions to "
+            f"{p}..{p + cfg.model.max_length - 1}, beyond the model's {positions} "
+            f"(max_position_embeddings); lower num_virtual_tokens or model.max_length to a "
+            f"sum of at most {positions}, or set prefix(shift_positions=False)")
+    if plan is None:
+        return
     num_layers, num_heads = config.num_hidden_layers, config.num_attention_heads
     resolved = plan.resolve(num_layers, num_heads)  # layer -> head -> config
-    refuse_token_keyed([list(resolved.get(li, {}).values()) for li in range(num_layers)],
-                       tuner_cfg.num_virtual_tokens)
+    refuse_token_keyed([list(resolved.get(li, {}).values()) for li in range(num_layers)], p)
 
 
 def nonempty(examples: list, cfg: ExperimentConfig, split: str) -> list:

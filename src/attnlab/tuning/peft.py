@@ -38,6 +38,7 @@ from .base import (
     RequiresGradTuner,
     TaskInfo,
     TunerConfig,
+    TuningError,
     backbone_of,
     finish_tuning,
     head_prefixes,
@@ -87,6 +88,10 @@ class LoraTunerConfig(TunerConfig):
             raise ValueError("r must be >= 1")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError("dropout must be in [0, 1)")
+        if self.target_modules is not None and not all(
+                t.strip() for t in self.target_modules) or self.target_modules == ():
+            raise ValueError("target_modules must name modules, e.g. ('query', 'value'), or "
+                             "be None for the model family's default")
 
 
 # model type -> default LoRA targets, for the families peft 0.21 has no default for (the
@@ -107,6 +112,16 @@ def lora_targets(model: nn.Module, cfg: LoraTunerConfig) -> list[str] | None:
     from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_DEFAULTS
 
     if cfg.target_modules:
+        names = [name for name, _ in model.named_modules()]
+        missing = [t for t in cfg.target_modules
+                   if not any(n == t or n.endswith("." + t) for n in names)]
+        if missing:
+            linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                             if isinstance(m, nn.Linear)})
+            raise TuningError(
+                f"lora: no module of {type(model).__name__} is named {missing[0]!r} (peft "
+                f"matches the end of a module's name); its linear layers are named "
+                f"{', '.join(linear[:12])}")
         return list(cfg.target_modules)
     family = model_family(model)
     if family in PEFT_DEFAULTS:
