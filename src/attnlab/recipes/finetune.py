@@ -73,11 +73,12 @@ def run_experiment(cfg: ExperimentConfig, resume: bool = False,
 
     The run folder is ``cfg.run_dir`` as given (``rundir.fresh_run`` picks a new one for the
     command line). A run that raises leaves ``summary.json`` with ``status: failed`` and the
-    error (``interrupted`` for Ctrl-C), then re-raises. A finished run deletes its
-    checkpoints and best-model copy unless ``train.keep_checkpoints``. With ``resume``, a
-    run that has finished is read back, not trained again (refused if ``cfg`` asks for
-    other settings: ``rundir.finished_summary``), and checkpoints of another config are
-    refused (``check_resumable``); neither refusal touches the run's files.
+    error (``interrupted`` for Ctrl-C, and for SIGTERM under the CLI), then re-raises. A
+    finished run deletes its checkpoints and best-model copy unless
+    ``train.keep_checkpoints``. With ``resume``, a run that has finished is read back, not
+    trained again (refused if ``cfg`` asks for other settings: ``rundir.finished_summary``),
+    and checkpoints of another config are refused (``check_resumable``); neither refusal
+    touches the run's files.
     """
     cfg = with_optim_defaults(cfg)  # config.yaml and resume checks see the values used
     preflight(cfg)  # what `attnlab validate` refuses, refused before anything is loaded
