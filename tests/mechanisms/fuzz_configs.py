@@ -76,7 +76,10 @@ GENERATORS: dict[str, Gen] = {
     "collaborative": lambda p, n, h, d: dict(
         dk_shared=p.choice([None, h * d]),  # q arrives with Dk / d heads: h here
         mixing_init=p.choice(["normal", "concatenate", "ones"]), convert=p.choice(B)),
-    "csalr": lambda p, n, h, d: dict(num_landmarks=_size(p, n), eps=p.float(0.1, 2.0)),
+    # eps > 1: M + eps I is then nonsingular for any row-stochastic M (its eigenvalues lie in
+    # the unit disk); below, an eigenvalue near -eps makes the solve ill-conditioned or
+    # singular, the hazard CSALR's docstring states (a property of the method, not checked)
+    "csalr": lambda p, n, h, d: dict(num_landmarks=_size(p, n), eps=p.float(1.05, 2.0)),
     "dilated": lambda p, n, h, d: dict(window=p.int(0, 12), dilation=p.int(1, 6)),
     "disagreement": lambda p, n, h, d: dict(
         terms=p.choice([("subspace",), ("position",), ("output",), ("position", "output"),
