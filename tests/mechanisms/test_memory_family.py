@@ -1,7 +1,5 @@
 """The compressed key-value memory family: mca, isab, luna (memory.py), poolingformer
-(pooling.py).
-
-Each fast path is compared with a naive reference written here with per-(batch, head,
+(pooling.py). Each fast path is compared with a naive reference written here with per-(batch, head,
 query) loops over explicit key lists (no masked_softmax, no einsum). Tolerances: fp32
 outputs at atol = rtol = 1e-5; equalities that hold by construction (save/load, seeds)
 are exact.
