@@ -19,6 +19,34 @@ def test_ratios_are_per_round_against_the_first():
     assert "`band(window=8)`" in format_markdown(res) and "3 rounds" in format_markdown(res)
 
 
+def test_rounds_alternate_the_order(monkeypatch):
+    """Even rounds time the mechanisms in the given order, odd rounds in reverse: none is
+    always first (after the warm-up, which runs each once in order)."""
+    import attnlab.bench.paired as mod
+
+    calls = []
+    real = mod.build_mechanism
+
+    def recording(spec, dims):
+        mech = real(spec, dims)
+        forward = mech.forward
+
+        def traced(*args, **kwargs):
+            calls.append(spec.split("(")[0])
+            return forward(*args, **kwargs)
+
+        mech.forward = traced
+        return mech
+
+    monkeypatch.setattr(mod, "build_mechanism", recording)
+    paired(["band(window=8)", "dilated(window=4, dilation=2)", "block_local(block=8)"], 64,
+           heads=1, head_dim=4, rounds=2)
+    firsts = [c for i, c in enumerate(calls) if i % 2 == 0]  # fwd, then fwd+bwd, per mechanism
+    assert firsts == ["band", "dilated", "block_local",  # warm-up
+                      "band", "dilated", "block_local",  # round 0
+                      "block_local", "dilated", "band"]  # round 1
+
+
 def test_bare_names_take_the_bench_settings(tmp_path, capsys):
     out = tmp_path / "p.json"
     main(["--mechanisms", "band", "longformer", "--n", "300", "--rounds", "1", "--heads", "1",

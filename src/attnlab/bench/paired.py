@@ -4,9 +4,10 @@ Why: ``bench speed`` measures each (method, n) in fresh subprocesses, one after 
 and on a shared machine two such measurements drift apart by several percent. A target of
 a few percent (a global token's cost over the same window without it) is below that
 spread. Here the mechanisms run on the same inputs in one process, alternately (round r
-times each of them once, forward and then forward+backward), so slow phases of the machine
-hit all of them; the ratio to the first mechanism is taken within each round and the
-median over rounds is reported with its range.
+times each of them once, forward and then forward+backward, in the given order in even
+rounds and in reverse in odd ones, so that none is always timed first), so slow phases of
+the machine hit all of them; the ratio to the first mechanism is taken within each round
+and the median over rounds is reported with its range.
 
 Run: ``python -m attnlab.bench.paired --mechanisms band longformer --n 4096``
 (bare names take ``bench speed``'s settings, ``bench.suite.BENCH_SPECS``).
@@ -66,7 +67,11 @@ def paired(specs: Sequence[str], n: int, *, heads: int = 12, head_dim: int = 64,
     for m in mechs:  # warm-up: kernels, caches, allocator
         fwd(m)
         fwdbwd(m)
-    times = [[(fwd(m), fwdbwd(m)) for m in mechs] for _ in range(rounds)]  # [round][mech]
+    times = []  # [round][mech]
+    for r in range(rounds):  # odd rounds run the mechanisms in reverse order, so that
+        order = range(len(mechs)) if r % 2 == 0 else range(len(mechs) - 1, -1, -1)
+        got = {i: (fwd(mechs[i]), fwdbwd(mechs[i])) for i in order}  # no mechanism always first
+        times.append([got[i] for i in range(len(mechs))])
     rows = []
     for i, spec in enumerate(specs):
         row: dict[str, Any] = {"method": spec}
