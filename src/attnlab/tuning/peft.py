@@ -88,8 +88,8 @@ class LoraTunerConfig(TunerConfig):
             raise ValueError("r must be >= 1")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError("dropout must be in [0, 1)")
-        if self.target_modules is not None and not all(
-                t.strip() for t in self.target_modules) or self.target_modules == ():
+        names = self.target_modules
+        if names is not None and (not names or not all(t.strip() for t in names)):
             raise ValueError("target_modules must name modules, e.g. ('query', 'value'), or "
                              "be None for the model family's default")
 
@@ -112,11 +112,11 @@ def lora_targets(model: nn.Module, cfg: LoraTunerConfig) -> list[str] | None:
     from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_DEFAULTS
 
     if cfg.target_modules:
-        names = [name for name, _ in model.named_modules()]
+        modules = dict(model.named_modules())
         missing = [t for t in cfg.target_modules
-                   if not any(n == t or n.endswith("." + t) for n in names)]
+                   if not any(n == t or n.endswith("." + t) for n in modules)]
         if missing:
-            linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+            linear = sorted({n.rsplit(".", 1)[-1] for n, m in modules.items()
                              if isinstance(m, nn.Linear)})
             raise TuningError(
                 f"lora: no module of {type(model).__name__} is named {missing[0]!r} (peft "
