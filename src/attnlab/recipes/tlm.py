@@ -48,7 +48,9 @@ accumulation); stage 1 is evaluated on dev at its end (and every ``stage1.eval_e
 the record only, stage 2 starting from the final stage-1 weights as the official
 ``finetune.sh`` does; CoNLL-2003 puts the task head on every token (the paper has sequence
 tasks only); BM25 is ``bm25s`` with Lucene's formula rather than Elasticsearch
-(``tlm.retrieve``).
+(``tlm.retrieve``); masked positions are never chosen on any special token ([UNK] and
+[MASK] included) in either stream, where the official collator uses the tokenizer's mask
+([CLS]/[SEP]/[PAD] only), so it may choose [UNK].
 """
 
 from __future__ import annotations

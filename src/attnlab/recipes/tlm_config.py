@@ -31,9 +31,13 @@ HEADS = ("sequence-classification", "token-classification")
 
 @dataclass(frozen=True, kw_only=True)
 class TlmModelSection:
-    """The from-scratch encoder (``models.encoder_config``)."""
+    """The from-scratch encoder (``models.encoder_config``). The paper's scales: small- and
+    medium-scale TLM are BERT-Base (``size: base``: 12 layers, hidden 768, 12 heads, 109M
+    parameters; they differ in corpus and steps), large-scale is BERT-Large (``size: base``
+    with ``config: {num_hidden_layers: 24, hidden_size: 1024, num_attention_heads: 16,
+    intermediate_size: 4096}``, 335M). The shipped configs use ``tiny`` for a CPU."""
 
-    size: str = "mini"  # models.SIZES name (mini: 4 layers, hidden 256); paper: BERT-small/base
+    size: str = "base"  # models.SIZES name; base = BERT-Base, the paper's small-scale model
     max_length: int = 128  # tokens per task example and per external passage (official 128)
     config: dict[str, Any] = field(default_factory=dict)  # BertConfig overrides, e.g. layers
 
@@ -57,14 +61,15 @@ class Stage1Section:
     """Joint training from scratch. Defaults: the official small-scale ``train.sh``."""
 
     steps: int = 150_000  # optimizer steps (official 150K)
-    # examples per step and process (a global batch of 32 on one device): the official
-    # train.sh runs 32 per GPU on 8 GPUs, a global batch of 256 (set 256 on one device)
-    batch_size: int = 32
+    # examples per step and process: the official train.sh runs 32 per GPU on 8 GPUs, a
+    # global batch of 256, which this default gives on one device (as stage 2's default
+    # gives finetune.sh's global 32); on 8 processes set 32
+    batch_size: int = 256
     rho1: int = 999  # ρ1: external batches per task batch (paper: 1 ... 1999)
     rho2: float = 20.0  # ρ2: L_mlm weight in task batches (paper: 20, 100, 1000)
     lr: float = 1e-4  # peak learning rate (AdamW)
     weight_decay: float = 0.01  # not on biases / LayerNorm
-    warmup_ratio: float = 0.0667  # linear warmup share, then linear decay (official 10K/150K)
+    warmup_ratio: float = 1 / 15  # linear warmup share, then linear decay (official 10K/150K)
     max_grad_norm: float | None = None  # clipping (None: off, as the official code)
     eval_every: int | None = None  # steps between dev evaluations (None: at the end only)
     save_every: int = 500  # steps between checkpoints (and at the end)
@@ -256,28 +261,61 @@ def saved_config_changes(run_dir: Path, cfg: TlmConfig, ignore: tuple[str, ...] 
 # ----------------------------------------------------------------------------- external data
 
 
+def corpus_source(cfg: TlmConfig) -> dict[str, Any]:
+    """What an index of ``cfg``'s corpus is built from: the corpus file (resolved path, size
+    in bytes, modification time in ns) and the passage length. Kept in the index's metadata
+    (``Bm25Index.build(source=...)``) and compared on every load."""
+    r = cfg.retrieval
+    path = Path(str(r.corpus)).expanduser().resolve()
+    st = path.stat()
+    return {"corpus": str(path), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns,
+            "passage_tokens": r.passage_tokens}
+
+
 def cache_dir(cfg: TlmConfig) -> Path:
-    """Folder of the BM25 index and the hits of one corpus under one BM25 setting."""
+    """Folder of the BM25 index and the hits of one corpus under one BM25 setting.
+
+    Default: ``<output_dir>/tlm-cache/<corpus stem>-<fingerprint>-p<passage_tokens>-k1_<k1>-
+    b<b>``, the fingerprint a digest of the corpus file's resolved path, size and mtime, so
+    two corpora of one name (``en/docs.jsonl``, ``de/docs.jsonl``), or a corpus edited in
+    place, never share an index."""
     r = cfg.retrieval
     if r.cache_dir is not None:
         return Path(r.cache_dir)
     stem = Path(str(r.corpus)).stem
-    return Path(cfg.output_dir) / "tlm-cache" / f"{stem}-p{r.passage_tokens}-k1_{r.k1:g}-b{r.b:g}"
+    src = corpus_source(cfg)
+    tag = hashlib.sha256(repr((src["corpus"], src["bytes"], src["mtime_ns"])).encode()
+                         ).hexdigest()[:8]
+    return (Path(cfg.output_dir) / "tlm-cache"
+            / f"{stem}-{tag}-p{r.passage_tokens}-k1_{r.k1:g}-b{r.b:g}")
 
 
 def load_index(cfg: TlmConfig, progress: bool = True):
     """The corpus's BM25 index (``cache_dir/index``): loaded, or built there first (the
-    build is atomic: a folder is an index only once complete)."""
+    build is atomic: a folder is an index only once complete). An index in the folder that
+    was built from another corpus (file, size, mtime), passage length, k1 or b is refused
+    (a ConfigError naming the difference), never silently used."""
     from ..tlm import retrieve as tr  # bm25s: imported on use
 
     folder = cache_dir(cfg) / "index"
-    if (folder / tr.META_NAME).is_file():
-        return tr.Bm25Index.load(folder, mmap=True)
     r = cfg.retrieval
+    source = corpus_source(cfg)
+    if (folder / tr.META_NAME).is_file():
+        index = tr.Bm25Index.load(folder, mmap=True)
+        built = {**(index.meta.get("source") or {}), "k1": index.k1, "b": index.b}
+        wanted = {**source, "k1": float(r.k1), "b": float(r.b)}
+        diff = [f"{k} {built.get(k)!r} (asked {v!r})" for k, v in wanted.items()
+                if built.get(k) != v]
+        if diff:
+            raise ConfigError(
+                f"{folder} holds a BM25 index of other data: " + "; ".join(diff) + ". Remove "
+                "that folder (with its hits/) to rebuild it, or set another retrieval.cache_dir")
+        return index
     passages = tr.split_passages(tr.read_corpus(Path(str(r.corpus))), max_tokens=r.passage_tokens)
     if not passages:
         raise ConfigError(f"retrieval.corpus {r.corpus}: no passages (is it empty?)")
-    return tr.Bm25Index.build(passages, folder, k1=r.k1, b=r.b, show_progress=progress)
+    return tr.Bm25Index.build(passages, folder, k1=r.k1, b=r.b, show_progress=progress,
+                              source=source)
 
 
 def _digest(texts: list[str], *extra: object) -> str:

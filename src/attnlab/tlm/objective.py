@@ -233,16 +233,23 @@ def encode_passages(texts: Sequence[str], tokenizer: Any, max_length: int) -> li
     """External text line by line, as the official ``preprocess_external``: one feature per
     non-blank passage, ``[CLS] passage [SEP]`` truncated to ``max_length`` tokens (not packed
     across passages), with ``special_tokens_mask`` and ``block_index`` (its position) for the
-    seeded masked-LM collator (``tasks.mlm.SeededMasking``)."""
+    seeded masked-LM collator (``tasks.mlm.SeededMasking``).
+
+    ``special_tokens_mask`` marks every id in ``tokenizer.all_special_ids`` ([CLS], [SEP],
+    [PAD], [UNK], [MASK]), as the task batches' ``MaskedTaskCollator`` and ``tasks.mlm`` do,
+    so both streams of stage 1 choose masked positions alike. (The tokenizer's own mask marks
+    only the [CLS]/[SEP] it adds, so [UNK] and special-token strings in the text could be
+    chosen; the official code uses that mask for both streams.)"""
     kept = [t for t in texts if t and not t.isspace()]
+    special = set(tokenizer.all_special_ids)
     feats: list[Feature] = []
     for start in range(0, len(kept), 1024):
         enc = tokenizer(kept[start:start + 1024], truncation=True, max_length=max_length,
-                        return_special_tokens_mask=True, verbose=False)
-        keys = [k for k in ("input_ids", "attention_mask", "token_type_ids",
-                            "special_tokens_mask") if k in enc]
+                        verbose=False)
+        keys = [k for k in ("input_ids", "attention_mask", "token_type_ids") if k in enc]
         for i in range(len(enc["input_ids"])):
             f: Feature = {k: enc[k][i] for k in keys}
+            f["special_tokens_mask"] = [int(t in special) for t in f["input_ids"]]
             f["block_index"] = len(feats)
             feats.append(f)
     return feats

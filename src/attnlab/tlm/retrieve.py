@@ -225,8 +225,13 @@ class Bm25Index:
 
     @classmethod
     def build(cls, passages: Sequence[Passage], folder: str | Path, *, k1: float = K1,
-              b: float = B, show_progress: bool = True) -> Bm25Index:
+              b: float = B, show_progress: bool = True,
+              source: Mapping[str, Any] | None = None) -> Bm25Index:
         """Index ``passages`` (pids 0..n-1 in order) into ``folder`` and load it.
+
+        ``source``: what the passages were made from (JSON values, e.g. the corpus file's
+        path, size and mtime and the passage length), kept in the metadata as ``source`` so
+        a cache can tell whose index it holds (``recipes.tlm_config.load_index``).
 
         Written to a hidden temporary folder beside ``folder`` and renamed into place, so a
         kill leaves the old index or the new one, never a half-written one. An existing
@@ -270,6 +275,7 @@ class Bm25Index:
                 "format": FORMAT, "analyzer": ANALYZER, "token_pattern": TOKEN_PATTERN,
                 "method": "lucene", "k1": k1, "b": b, "num_passages": len(passages),
                 "bm25s_version": bm25s.__version__,
+                "source": dict(source) if source is not None else None,
             })
             _swap_into_place(tmp, folder)
         except BaseException:

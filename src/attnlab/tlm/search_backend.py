@@ -27,9 +27,9 @@ then ``pip install 'attnlab[search]'`` (the ``elasticsearch`` client; for OpenSe
     hits = retrieve(backend, query_texts(rows), k=50)
 
 Testing: the request bodies (index settings and mapping, bulk, msearch, mget) are built and
-the responses parsed by plain functions, tested against recorded responses in the
-Elasticsearch 8 format (``tests/tlm/fixtures``) with a stand-in client; no test talks to a
-server.
+the responses parsed by plain functions, tested with a stand-in client against responses
+in the Elasticsearch 8 format (``tests/tlm/fixtures``) that were written by hand from the API
+reference, not recorded from a live server (none can run here); no test talks to a server.
 
 Index layout: document ``_id`` = str(pid), fields ``pid`` (integer), ``doc_id`` (keyword,
 not indexed), ``text`` (standard analyzer, BM25 similarity with our k1 and b). Searches are
