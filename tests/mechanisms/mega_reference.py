@@ -37,10 +37,18 @@ def official_laplace(x):
     return 0.5 * (1 + torch.erf((x - 0.707107) / (0.282095 * math.sqrt(2.0))))
 
 
-def naive_mega(mech, v, key_mask=None, causal=False, drop=None):
+def exact_laplace(x):
+    """f_laplace with the paper's exact constants mu = sqrt(1/2), sigma = sqrt(1/(4 pi)) (the
+    official code rounds them to 6 digits, ~1e-6 apart): the float64 tests' reference."""
+    mu, sigma = math.sqrt(0.5), math.sqrt(0.25 / math.pi)
+    return 0.5 * (1 + torch.erf((x - mu) / (sigma * math.sqrt(2.0))))
+
+
+def naive_mega(mech, v, key_mask=None, causal=False, drop=None, laplace=official_laplace):
     """Eq. 6-15 in float64 with loops: the EMA by recurrence, each query's weights over the
     keys it sees (its chunk, unpadded, j <= i if causal), the relative bias w[P-1+j-i].
     ``drop(x, p)``: the layer's own dropouts where the official layer has them (X', V, H).
+    ``laplace``: the Laplace function (default the official one, rounded constants).
     Returns (out [b,h,n,d], map [b,n,n])."""
     cfg = mech.cfg
     b, h, n, d = v.shape
@@ -73,7 +81,7 @@ def naive_mega(mech, v, key_mask=None, causal=False, drop=None):
             if cfg.attention_fn == "softmax":
                 p = torch.softmax(s / math.sqrt(cfg.zdim) + rel, -1)
             else:
-                p = official_laplace(s / len(keys) + rel)
+                p = laplace(s / len(keys) + rel)
             o[bi, i] = p @ value[bi, js]  # eq. 11
             amap[bi, i, js] = p
     hid = F.silu(hx + (gamma * o) @ W["out_gate.weight"].T + W["out_gate.bias"])  # eq. 14

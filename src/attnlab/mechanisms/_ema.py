@@ -17,7 +17,8 @@ y = k * x is a causal convolution with the kernel
     k_l = s * sum_r eta_r alpha_r beta_r q_r^l,  q_r = 1 - alpha_r delta_r,  l = 0..n-1,
 
 computed here with one real FFT of length 2n (zero padding, so no wrap-around), O(n log n)
-per channel (float64 for the causal form, see :meth:`DampedEMA.convolve`).
+per channel: in float32 as official (the causal convolution in float64, see
+:meth:`DampedEMA.convolve`), everything in float64 for float64 inputs (:func:`precision`).
 Bidirectional (as official): a second, independent set of parameters gives a backward
 kernel k' that runs from the future, y_t = sum_{j<=t} k_{t-j} x_j + sum_{j>=t} k'_{j-t} x_j;
 both share one FFT of x (the backward term is a correlation: the conjugate spectrum of k').
@@ -39,6 +40,12 @@ import torch.nn.functional as F
 from torch import nn
 
 FORWARD, BACKWARD = 0, 1  # index of a direction in the parameters' first axis
+
+
+def precision(dtype: torch.dtype) -> torch.dtype:
+    """The EMA's working precision for inputs of ``dtype``: float64 for float64 (a float64
+    input is computed in float64), else the official float32 (half inputs included)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 class DampedEMA(nn.Module):
@@ -76,39 +83,42 @@ class DampedEMA(nn.Module):
             self.eta.normal_(0.0, 1.0)
             self.omega.normal_(0.0, 1.0)
 
-    def coefficients(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(alpha * beta, q = 1 - alpha * delta), each [2, D, N] float32: the input weight and
-        the decay of the recurrence h_t = (alpha beta) x_t + q h_{t-1} (eq. 2-3)."""
-        alpha = torch.sigmoid(self.alpha_raw.float())
-        q = 1.0 - alpha * torch.sigmoid(self.delta_raw.float())
-        return alpha * self.beta.float(), q
+    def coefficients(self, dtype: torch.dtype = torch.float32
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(alpha * beta, q = 1 - alpha * delta), each [2, D, N] in ``dtype`` (float32, or
+        float64 for float64 inputs: :func:`precision`): the input weight and the decay of the
+        recurrence h_t = (alpha beta) x_t + q h_{t-1} (eq. 2-3)."""
+        alpha = torch.sigmoid(self.alpha_raw.to(dtype))
+        q = 1.0 - alpha * torch.sigmoid(self.delta_raw.to(dtype))
+        return alpha * self.beta.to(dtype), q
 
-    def powers(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def powers(self, n: int, dtype: torch.dtype = torch.float32
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         """q^l for l < n in two factors, l = a*B + i with B = ceil(sqrt(n)), A = ceil(n/B):
-        (q^i [2, D, N, B], q^(aB) [2, D, N, A]), float32. O(D*N*sqrt(n)) exponentials
+        (q^i [2, D, N, B], q^(aB) [2, D, N, A]) in ``dtype``. O(D*N*sqrt(n)) exponentials
         instead of the Vandermonde matrix's O(D*N*n) (which made the kernel the layer's hot
         spot on CPU at n = 4096)."""
-        _, q = self.coefficients()
+        _, q = self.coefficients(dtype)
         log_q = torch.log(q)[..., None]  # [2,D,N,1]
         B = math.isqrt(max(n - 1, 0)) + 1  # B*B >= n
         A = -(-n // B)
-        steps = torch.arange(max(A, B), device=q.device, dtype=torch.float32)
+        steps = torch.arange(max(A, B), device=q.device, dtype=dtype)
         return torch.exp(log_q * steps[:B]), torch.exp(log_q * (steps[:A] * B))
 
-    def kernel(self, n: int) -> torch.Tensor:
-        """k [2, D, n] float32: k_l = s * sum_r eta_r alpha_r beta_r q_r^l, per direction;
-        with q^l = q^(aB) q^i (:meth:`powers`) the sum over r is one batched matmul
-        [A, N] @ [N, B] per channel and direction."""
-        ab, _ = self.coefficients()
-        inner, outer = self.powers(n)  # [2,D,N,B], [2,D,N,A]
-        outer = outer * (ab * self.eta.float() * self.scale)[..., None]  # weighted [2,D,N,A]
+    def kernel(self, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """k [2, D, n] in ``dtype``: k_l = s * sum_r eta_r alpha_r beta_r q_r^l, per
+        direction; with q^l = q^(aB) q^i (:meth:`powers`) the sum over r is one batched
+        matmul [A, N] @ [N, B] per channel and direction."""
+        ab, _ = self.coefficients(dtype)
+        inner, outer = self.powers(n, dtype)  # [2,D,N,B], [2,D,N,A]
+        outer = outer * (ab * self.eta.to(dtype) * self.scale)[..., None]  # weighted [2,D,N,A]
         k = outer.transpose(-1, -2) @ inner  # [2,D,A,B]: entry (a, i) is lag a*B + i
         return k.flatten(-2)[..., :n]  # [2,D,n]
 
     def convolve(self, x: torch.Tensor, causal: bool) -> torch.Tensor:
         """y = k * x (and + the backward term unless causal) via one FFT of length 2n.
-        x [b, n, D] -> y [b, n, D] in x's dtype; computed in float32 (bidirectional) or
-        float64 (causal).
+        x [b, n, D] -> y [b, n, D] in x's dtype; the kernel in :func:`precision` (float32,
+        float64 for float64 x), the convolution in that (bidirectional) or float64 (causal).
 
         The FFT mixes every position's rounding error into every output: in float32 an
         output would move by ~1e-7 of the inputs' magnitude when a *future* input changes.
@@ -116,8 +126,9 @@ class DampedEMA(nn.Module):
         the bidirectional form, which reads the future anyway, keeps the official float32.
         """
         n = x.shape[1]
-        work = torch.float64 if causal else torch.float32
-        k = self.kernel(n).to(work)  # [2,D,n]
+        prec = precision(x.dtype)
+        work = torch.float64 if causal else prec
+        k = self.kernel(n, prec).to(work)  # [2,D,n]
         y = _FFTConv.apply(x.to(work).transpose(1, 2), k[FORWARD],
                            None if causal else k[BACKWARD])  # [b,D,n]
         return y.transpose(1, 2).to(x.dtype)  # [b,n,D]
@@ -134,28 +145,32 @@ class DampedEMA(nn.Module):
     def step(self, x: torch.Tensor, state: torch.Tensor | None = None
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """One causal token: x [b, D], state h_{t-1} [b, D, N] (None = zeros) ->
-        (X'_t [b, D], h_t [b, D, N]). The recurrence of eq. 2-3, forward parameters."""
-        ab, q = (c[FORWARD].to(x.dtype) for c in self.coefficients())  # [D,N]
-        h = ab * x[..., None]  # alpha beta x_t [b,D,N]
+        (X'_t [b, D] in x's dtype, h_t [b, D, N] in :func:`precision`). The recurrence of
+        eq. 2-3, forward parameters."""
+        prec = precision(x.dtype)
+        ab, q = (c[FORWARD] for c in self.coefficients(prec))  # [D,N]
+        xp = x.to(prec)
+        h = ab * xp[..., None]  # alpha beta x_t [b,D,N]
         if state is not None:
-            h = h + q * state
-        y = torch.einsum("bcr,cr->bc", h, self.eta[FORWARD].to(x.dtype) * self.scale)
-        return F.silu(y + x * self.omega), h
+            h = h + q * state.to(prec)
+        y = torch.einsum("bcr,cr->bc", h, self.eta[FORWARD].to(prec) * self.scale)
+        return F.silu(y + xp * self.omega.to(prec)).to(x.dtype), h
 
     def final_state(self, x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
         """The causal recurrence's state after the last token of x [b, n, D]:
-        h_n = sum_j q^(n-1-j) alpha beta x_j [b, D, N] (what :meth:`step` continues from).
-        Lag l = n-1-j = a*B + i: the sum over i, then over a (:meth:`powers`)."""
+        h_n = sum_j q^(n-1-j) alpha beta x_j [b, D, N] in :func:`precision` (what
+        :meth:`step` continues from). Lag l = n-1-j = a*B + i: the sum over i, then over a
+        (:meth:`powers`)."""
         if keep is not None:
             x = x * keep[..., None].to(x.dtype)
         b, n, ch = x.shape
-        ab, _ = self.coefficients()
-        inner, outer = (t[FORWARD] for t in self.powers(n))  # [D,N,B], [D,N,A]
+        prec = precision(x.dtype)
+        ab, _ = self.coefficients(prec)
+        inner, outer = (t[FORWARD] for t in self.powers(n, prec))  # [D,N,B], [D,N,A]
         B, A = inner.shape[-1], outer.shape[-1]
-        lagged = F.pad(x.float().flip(1), (0, 0, 0, A * B - n))  # row l: x_{n-1-l}
+        lagged = F.pad(x.to(prec).flip(1), (0, 0, 0, A * B - n))  # row l: x_{n-1-l}
         part = torch.einsum("baic,cri->bacr", lagged.view(b, A, B, ch), inner)  # [b,A,D,N]
-        h = torch.einsum("bacr,cra->bcr", part, outer) * ab[FORWARD]  # [b,D,N]
-        return h.to(x.dtype)
+        return torch.einsum("bacr,cra->bcr", part, outer) * ab[FORWARD]  # [b,D,N]
 
     def extra_repr(self) -> str:
         return f"channels={self.channels}, ndim={self.ndim}"

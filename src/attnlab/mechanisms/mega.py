@@ -108,7 +108,8 @@ class Mega(nn.Module):
     the paper's expansion of the value), EMA dimensions ``ndim`` (16). The EMA is
     bidirectional (a forward and a backward kernel, as official), causal when
     ``ctx.causal``; it is an FFT convolution of length 2n (float64 when causal, so no
-    future input reaches a past output through rounding; ``DampedEMA.convolve``).
+    future input reaches a past output through rounding; ``DampedEMA.convolve``; a float64
+    input runs in float64 throughout, the EMA included).
     MEGA-chunk (``chunk`` = c): attention only inside non-overlapping chunks of c tokens
     (the last one shorter when c does not divide n), while the EMA still runs over the
     whole sequence. Complexity O(n*c) with a chunk (plus the EMA's O(n log n) per channel),
@@ -147,6 +148,10 @@ class Mega(nn.Module):
     own (``ctx.scale``, the host's 1/sqrt(d), is not used); the Laplace normalisation
     counts visible keys, which equals the official count except for a causal layer with
     left padding; the official all-padding softmax row (uniform over the padding) is 0 here.
+    Not implemented (official options): the rotary relative bias (``rel_pos_bias='rotary'``;
+    the official default and every LRA configuration use the simple one, as here) and the EMA
+    kernel truncation (``truncation``: the official LRA architectures cut the kernel to 1,024
+    lags, 4,096 for Path-X; here it spans the whole sequence).
     ``caps`` per config, on the instance: ``needs_max_len`` (True without a chunk: the
     relative bias is then sized by the host's maximum length, and a longer input is refused)
     and the complexity. The class declares needs_max_len False so that a chunked config
