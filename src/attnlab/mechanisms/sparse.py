@@ -353,7 +353,11 @@ class Star(nn.Module):
     Formula: softmax over j with |i - j| <= 1 or i == relay or j == relay. Complexity
     O(n*d). Deviation: the relay is a position of the sequence sharing the layer's
     projections (the paper keeps a separate relay state updated in alternation); a relay
-    beyond the sequence length is ignored.
+    beyond the sequence length is ignored. Differs from the paper: a satellite's keys are
+    its neighbours and the relay, without the paper's extra key of the token's own
+    embedding e_i; and although the paper draws the satellites as a ring, the first and last
+    tokens are not neighbours (nor are they in the authors' code, fastNLP
+    ``StarTransformer``: a zero-padded unfold of width 3).
     """
 
     example: ClassVar[str] = "star(relay=0)"
