@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..core import (
@@ -280,7 +281,10 @@ class Nystrom(nn.Module):
                                            keep, c.pinv_init, ctx.need_weights)
         if self.conv is not None:
             vm = v if keep is None else v * keep[:, None, :, None].to(v.dtype)
-            out = out + self.conv(vm)  # [b,h,n,dv]
+            # the weight in v's dtype, as the other mechanisms' parameters (float64 and
+            # 16-bit inputs reach a float32 module when it is called on its own)
+            out = out + F.conv2d(vm, self.conv.weight.to(vm.dtype), padding=self.conv.padding,
+                                 groups=self.conv.groups)  # [b,h,n,dv]
             if probs is not None:
                 band = _conv_band(self.conv.weight.to(probs.dtype), n)  # [h,n,n]
                 probs = probs + band * (1.0 if keep is None else keep[:, None, None, :])

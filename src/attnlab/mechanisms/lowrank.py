@@ -223,7 +223,8 @@ class LowRankBand(nn.Module):
     (a factorised W^Q W^Q_r, W^K W^K_r), so a pretrained encoder keeps its Q/K weights.
     The low-rank scores use 1/sqrt(r) whatever ``ctx.scale`` says (the band part uses
     ``ctx.scale``). ``need_weights`` returns (A_low + A_band) / 2; ``ctx.dropout`` drops
-    each component's probabilities independently.
+    each component's probabilities independently. Causal needs n == m (refused otherwise:
+    the band reads raw positions, the low-rank softmax aligns queries to the last keys).
     """
 
     example: ClassVar[str] = "lowrank_band(rank=2, window=2)"
@@ -256,6 +257,14 @@ class LowRankBand(nn.Module):
 
     def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
         check_qkv(q, k, v, self.dims)
+        if ctx.causal and q.shape[2] != k.shape[2]:
+            # the band part reads raw positions (j <= i, as ``band``), the low-rank part the
+            # softmax convention (queries aligned to the last keys): they would disagree
+            raise ValueError(
+                f"lowrank_band is causal only over one sequence (n == m, keys_are_tokens), "
+                f"got n={q.shape[2]} queries and m={k.shape[2]} keys; pass the whole "
+                "sequence's queries, or use it without causal"
+            )
         qr = q @ self.wq.to(q.dtype)  # [b,h,n,d] @ [h,d,r] -> [b,h,n,r]
         kr = k @ self.wk.to(k.dtype)  # [b,h,m,r]
         low = self.lowrank(qr, kr, v, dataclasses.replace(ctx, scale=self.cfg.rank**-0.5))
