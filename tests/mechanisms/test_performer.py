@@ -186,3 +186,29 @@ def test_caps():
     assert (caps.family, caps.exact) == ("linear", False)
     assert caps.complexity == "O(n*r*d), r = num_features"
     assert caps.causal_ok and caps.key_mask_ok and caps.scope == "head"
+
+
+@pytest.mark.parametrize("chunk", [4, 64])
+def test_causal_large_norm_keys_no_future_leak(chunk):
+    """Keys of large norm (per-coordinate std 10, |k'|^2 / 2 ~ 140 after the d^-1/4 scale)
+    before one small key at position 12: with one key maximum over the whole sequence (the
+    official code) that key sets the scale, every earlier key's features underflow in fp32
+    and rows 0..11 became 0. Each key stabilised by its running maximum keeps them: rows
+    0..11 equal the float64 unstabilised reference (1e-4: fp32 exponents of ~140 carry
+    ~1e-5 relative error) and do not move when the small key is put in (1e-6)."""
+    mech = build("performer(num_features=16, chunk=%d)" % chunk)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, H, 16, D, generator=g)
+    k = torch.randn(1, H, 16, D, generator=g) * 10
+    v = torch.randn(1, H, 16, D, generator=g)
+    small = k.clone()
+    small[:, :, 12] = 0.01 * torch.randn(H, D, generator=g)
+    ctx = attnlab.AttnContext(causal=True, need_weights=True)
+    big_out = mech(q, k, v, ctx).out
+    res = mech(q, small, v, ctx)
+    w = mech.projection(0).double()
+    ref, probs = naive_performer(q.double(), small.double(), v.double(), w, causal=True)
+    torch.testing.assert_close(res.out[:, :, :12].double(), ref[:, :, :12], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(res.probs.double(), probs, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(res.out[:, :, :12], big_out[:, :, :12], atol=1e-6, rtol=1e-6)
+    assert res.out[:, :, :12].abs().amax() > 0.1

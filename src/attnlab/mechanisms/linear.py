@@ -126,7 +126,8 @@ def _bidirectional(fq, fk, v, eps: float) -> torch.Tensor:
     num = torch.einsum("bhnr,bhre->bhne", fq, kv)  # [b,h,n,dv]
     den = torch.einsum("bhnr,bhr->bhn", fq, z)  # [b,h,n]
     return _divide(num, den, eps)
-def _causal(fq, fk, v, eps: float, chunk: int) -> torch.Tensor:
+def _causal(fq, fk, v, eps: float, chunk: int, cs: torch.Tensor | None = None
+            ) -> torch.Tensor:
     """Causal form with chunked prefix sums; queries aligned to the last n keys.
 
     fq [b,h,n,d], fk [b,h,m,d] (d: the feature count r), v [b,h,m,dv] -> [b,h,n,dv].
@@ -138,13 +139,25 @@ def _causal(fq, fk, v, eps: float, chunk: int) -> torch.Tensor:
     [b,h,n/C,d,dv] and z_c = sum phi(k_j) [b,h,n/C,d]. Memory O(b*h*n*(C + d*dv/C))
     (with C >= d about the size of q itself) instead of the O(b*h*n*d*dv) of a
     per-position cumsum, and no Python loop over the sequence.
+
+    ``cs`` [b,h,m]: keys stabilised each by its own running maximum (Performer,
+    ``favor_features(..., causal=True)``: phi(k_j) carries exp(-cs_j), cs non-decreasing);
+    every term a row sums is brought to the row's own scale exp(-cs_i) by factors
+    exp(cs_j - cs_i) <= 1 (:func:`_rescaled_causal`), so no key after a row sets its scale.
     """
     b, h, n, d = fq.shape
     m, dv = fk.shape[-2], v.shape[-1]
     offset = m - n
+    g0 = None  # the scale of the pre-block state (with cs)
     if offset >= 0:
-        s0 = torch.einsum("bhmd,bhme->bhde", fk[:, :, :offset], v[:, :, :offset])  # [b,h,d,dv]
-        z0 = fk[:, :, :offset].sum(dim=-2)  # [b,h,d]
+        pre = fk[:, :, :offset]  # [b,h,offset,d]
+        if cs is not None:
+            g0 = cs[:, :, max(offset - 1, 0)]  # [b,h]: the last pre-block key's scale
+            if offset > 0:
+                pre = pre * torch.exp(cs[:, :, :offset] - g0[..., None])[..., None]
+            cs = cs[:, :, offset:]
+        s0 = torch.einsum("bhmd,bhme->bhde", pre, v[:, :, :offset])  # [b,h,d,dv]
+        z0 = pre.sum(dim=-2)  # [b,h,d]
         q0, fk, v = 0, fk[:, :, offset:], v[:, :, offset:]
     else:
         s0 = fq.new_zeros(b, h, d, dv)  # [b,h,d,dv]
@@ -160,6 +173,12 @@ def _causal(fq, fk, v, eps: float, chunk: int) -> torch.Tensor:
 
     qc, kc, vc = chunks(fq[:, :, q0:]), chunks(fk), chunks(v)  # [b,h,nc,C,d|dv]
     tri = torch.ones(c, c, dtype=torch.bool, device=fq.device).tril()  # [C,C]
+    if cs is not None:  # padded rows repeat the last scale (their keys are 0)
+        csc = torch.cat([cs, cs[:, :, -1:].expand(b, h, pad)], -1).reshape(b, h, nc, c)
+        g0 = csc[:, :, 0, 0] if g0 is None else g0
+        num, den = _rescaled_causal(qc, kc, vc, s0, z0, csc, g0, tri)
+        out = _divide(num, den, eps).reshape(b, h, nc * c, dv)[:, :, :length]
+        return torch.cat([fq.new_zeros(b, h, q0, dv), out], dim=2)  # [b,h,n,dv]
     a = (qc @ kc.transpose(-1, -2)).masked_fill(~tri, 0.0)  # [b,h,nc,C,C]
     kv = kc.transpose(-1, -2) @ vc  # [b,h,nc,d,dv] per-chunk states
     # exclusive prefix over chunks, seeded with the pre-block state
@@ -169,6 +188,35 @@ def _causal(fq, fk, v, eps: float, chunk: int) -> torch.Tensor:
     den = a.sum(dim=-1) + (qc @ z_prev.unsqueeze(-1)).squeeze(-1)  # [b,h,nc,C]
     out = _divide(num, den, eps).reshape(b, h, nc * c, dv)[:, :, :length]
     return torch.cat([fq.new_zeros(b, h, q0, dv), out], dim=2)  # [b,h,n,dv]
+
+
+def _rescaled_causal(qc, kc, vc, s0, z0, csc, g0, tri) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_causal``'s chunk sums with per-key scales: (num [b,h,nc,C,dv], den [b,h,nc,C]).
+
+    qc, kc, vc [b,h,nc,C,.] as in ``_causal``, kc_j carrying exp(-cs_j); csc [b,h,nc,C] the
+    scales (non-decreasing along the sequence); s0 [b,h,d,dv], z0 [b,h,d] the pre-block
+    state in scale g0 [b,h]. Row i's terms are brought to exp(-cs_i): inside a chunk by
+    exp(cs_j - cs_i); each chunk's state is kept in the scale of its last key E_t, and the
+    state before chunk t, sum_u<t state_u exp(E_u - E_(t-1)), is one [nc, nc] weighting of
+    the chunk states (the scales differ, so no plain cumsum). Every factor is <= 1, so no
+    overflow, and a key's scale comes only from keys at or before it.
+    """
+    nc = csc.shape[2]
+    fac = torch.exp((csc[..., None, :] - csc[..., :, None]).clamp(max=0))  # [b,h,nc,C,C]
+    a = ((qc @ kc.transpose(-1, -2)) * fac).masked_fill(~tri, 0.0)  # [b,h,nc,C,C]
+    end = csc[..., -1]  # E_t [b,h,nc]
+    kw = kc * torch.exp(csc - end[..., None])[..., None]  # keys in their chunk's scale
+    states = torch.cat([s0[:, :, None], (kw.transpose(-1, -2) @ vc)[:, :, :-1]], 2)
+    zs = torch.cat([z0[:, :, None], kw.sum(-2)[:, :, :-1]], 2)  # [b,h,nc,d]
+    g = torch.cat([g0[..., None], end[..., :-1]], -1)  # each state's scale [b,h,nc]
+    low = torch.ones(nc, nc, dtype=torch.bool, device=csc.device).tril()  # [nc,nc]
+    wts = torch.exp((g[..., None, :] - g[..., :, None]).clamp(max=0)).masked_fill(~low, 0.0)
+    s_prev = torch.einsum("bhtu,bhude->bhtde", wts, states)  # [b,h,nc,d,dv] in scale g_t
+    z_prev = torch.einsum("bhtu,bhud->bhtd", wts, zs)  # [b,h,nc,d]
+    rs = torch.exp((g[..., None] - csc).clamp(max=0))  # exp(g_t - cs_i) [b,h,nc,C]
+    num = a @ vc + (qc @ s_prev) * rs[..., None]  # [b,h,nc,C,dv]
+    den = a.sum(dim=-1) + (qc @ z_prev.unsqueeze(-1)).squeeze(-1) * rs  # [b,h,nc,C]
+    return num, den
 
 
 def _bytes_per_head(q, k, v, ctx: AttnContext, chunk: int, features: int | None = None
@@ -182,9 +230,16 @@ def _bytes_per_head(q, k, v, ctx: AttnContext, chunk: int, features: int | None 
     return 4 * b * length * width
 
 
-def linear_weights(fq, fk, causal: bool, eps: float) -> torch.Tensor:
-    """The normalised phi(q) phi(k)^T matrix [b,h,n,m] (what the O(n) path implicitly uses)."""
+def linear_weights(fq, fk, causal: bool, eps: float, cs: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+    """The normalised phi(q) phi(k)^T matrix [b,h,n,m] (what the O(n) path implicitly uses);
+    ``cs`` [b,h,m]: per-key scales as in ``_causal`` (row i in the scale of its key
+    i + m - n)."""
     a = fq @ fk.transpose(-1, -2)  # [b,h,n,m]
+    if cs is not None:
+        n, m = a.shape[-2], a.shape[-1]
+        row = (torch.arange(n, device=a.device) + (m - n)).clamp(0, m - 1)  # [n]
+        a = a * torch.exp((cs[..., None, :] - cs[..., row, None]).clamp(max=0))
     if causal:
         a = a.masked_fill(~causal_mask(a.shape[-2], a.shape[-1], a.device), 0.0)
     return _divide(a, a.sum(dim=-1), eps)  # [b,h,n,m]
@@ -192,15 +247,17 @@ def linear_weights(fq, fk, causal: bool, eps: float) -> torch.Tensor:
 
 def _linear_attention(
     fq: torch.Tensor, fk: torch.Tensor, v: torch.Tensor, ctx: AttnContext, eps: float,
-    chunk: int, dtype: torch.dtype,
+    chunk: int, dtype: torch.dtype, cs: torch.Tensor | None = None,
 ) -> AttnOutput:
     """The shared O(n) core: features fq [b,h,n,r], fk [b,h,m,r] (padded keys already 0),
-    v [b,h,m,dv] in the compute dtype -> AttnOutput in ``dtype``."""
+    v [b,h,m,dv] in the compute dtype -> AttnOutput in ``dtype``. cs: causal per-key
+    scales (``_causal``)."""
     if ctx.causal:
-        out = _causal(fq, fk, v, eps, chunk)  # [b,h,n,dv]
+        out = _causal(fq, fk, v, eps, chunk, cs)  # [b,h,n,dv]
     else:
         out = _bidirectional(fq, fk, v, eps)  # [b,h,n,dv]
-    probs = linear_weights(fq, fk, ctx.causal, eps).to(dtype) if ctx.need_weights else None
+    probs = (linear_weights(fq, fk, ctx.causal, eps, cs).to(dtype) if ctx.need_weights
+             else None)
     return AttnOutput(out.to(dtype), probs)
 
 
@@ -364,6 +421,28 @@ def favor_features(x: torch.Tensor, w: torch.Tensor, key_mask: torch.Tensor | No
     return torch.exp(expo - stab)  # [b,h,L,m]
 
 
+def favor_causal_key_features(x: torch.Tensor, w: torch.Tensor,
+                              key_mask: torch.Tensor | None = None
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal keys' phi(k) [b,h,L,m] and their scales cs [b,h,L]: key j is stabilised by
+    cs_j, the largest exponent among keys 0..j (a running maximum, so a later key never
+    changes an earlier key's features); ``_causal`` brings each row's terms to its own
+    scale. As ``favor_features`` otherwise (padded keys get phi = 0; 1/sqrt(m) inside the
+    exponent). Leading padded keys take the first unpadded key's scale, so cs is
+    non-decreasing; an all-padded row gets 0."""
+    proj = x @ w.transpose(0, 1)  # [b,h,L,m]
+    expo = proj - x.square().sum(dim=-1, keepdim=True) / 2  # [b,h,L,m]
+    if key_mask is not None:
+        expo = expo.masked_fill(~key_mask[:, None, :, None].to(torch.bool), float("-inf"))
+    with torch.no_grad():  # constants for the gradient (each row's cancels)
+        cs = torch.cummax(expo.amax(dim=-1), dim=-1).values  # [b,h,L]
+        finite = torch.isfinite(cs)
+        first = torch.where(finite, cs, torch.full_like(cs, float("inf"))).amin(-1, keepdim=True)
+        first = torch.where(torch.isfinite(first), first, torch.zeros_like(first))
+        cs = torch.where(finite, cs, first) + 0.5 * math.log(w.shape[0])
+    return torch.exp(expo - cs[..., None]), cs
+
+
 def _mix_seed(seed: int, layer_idx: int, draw: int) -> int:
     # one 63-bit seed per (seed, layer, draw); distinct triples give distinct generators
     return ((seed * 1_000_003 + layer_idx) * 1_000_003 + draw) % (2**63)
@@ -387,11 +466,12 @@ class Performer(nn.Module):
     rather than of w^T x alone, so the largest feature is exactly 1/sqrt(m); the paper's
     code also adds 1e-6 to every feature, which would stop the key max from cancelling
     (future keys would leak into causal rows), so instead a row with no visible key gives 0.
-    The causal key max spans the whole sequence, as in the official code: it cancels in
-    exact arithmetic, but a future key whose exponent exceeds the past keys' by more than the
-    dtype's range (about 87 in fp32) makes their features underflow to 0, and the past rows
-    then change (to 0 when all underflow). With keys of moderate norm (the no-leak tests:
-    N(0, 1) inputs) future keys change past rows only by float rounding. No attention
+    Causal: each key is stabilised by the running maximum of the exponents up to it and each
+    row's sums are brought to its own scale (``_causal``), so no future key reaches a past
+    row. The official code takes one key maximum over the whole sequence: exact in exact
+    arithmetic, but a future key whose exponent exceeds the past keys' by more than the
+    dtype's range (about 87 in fp32) makes their features underflow to 0 and changes the
+    past rows (to 0 when all underflow). No attention
     dropout (``ctx.dropout`` ignored); 16-bit inputs are computed in fp32; ``need_weights``
     materialises the normalised phi(q) phi(k)^T matrix, O(n*m).
     """
@@ -434,6 +514,10 @@ class Performer(nn.Module):
 
         def heads(qg, kg, vg) -> AttnOutput:  # [b,g,n|m,d]: a group of g heads
             fq = favor_features(qg.to(work) * c, w)  # [b,g,n,m]
+            if ctx.causal:  # each key in the scale of the keys up to it
+                fk, cs = favor_causal_key_features(kg.to(work) * c, w, ctx.key_mask)
+                return _linear_attention(fq, fk, vg.to(work), ctx, 0.0, self.cfg.chunk,
+                                         q.dtype, cs)
             fk = favor_features(kg.to(work) * c, w, ctx.key_mask, is_query=False)  # [b,g,m,m]
             return _linear_attention(fq, fk, vg.to(work), ctx, 0.0, self.cfg.chunk, q.dtype)
 
