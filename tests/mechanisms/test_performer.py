@@ -196,7 +196,7 @@ def test_causal_large_norm_keys_no_future_leak(chunk):
     and rows 0..11 became 0. Each key stabilised by its running maximum keeps them: rows
     0..11 equal the float64 unstabilised reference (1e-4: fp32 exponents of ~140 carry
     ~1e-5 relative error) and do not move when the small key is put in (1e-6)."""
-    mech = build("performer(num_features=16, chunk=%d)" % chunk)
+    mech = build(f"performer(num_features=16, chunk={chunk})")
     g = torch.Generator().manual_seed(3)
     q = torch.randn(1, H, 16, D, generator=g)
     k = torch.randn(1, H, 16, D, generator=g) * 10
