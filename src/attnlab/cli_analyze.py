@@ -106,6 +106,7 @@ def heads(
 
     if compare is not None and model is not None:
         fail("give either MODEL or --compare A B, not both")
+    at_least("--examples", examples, 0)
     if out is not None:
         folder_option("--out", out)
     with user_errors(ValueError, KeyError):

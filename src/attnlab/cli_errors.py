@@ -91,7 +91,7 @@ def file_option(option: str, path: Path) -> Path:
 
 def user_error_types() -> tuple[type[BaseException], ...]:
     """Errors of use (bad config, data, model, plan, tuner, missing package, unwritable
-    folder)."""
+    folder, a folder where a file goes)."""
     # start-up: imported on use, so that ``attnlab --help`` loads no transformers
     from .config import ConfigError
     from .core import RegistryError
@@ -102,7 +102,7 @@ def user_error_types() -> tuple[type[BaseException], ...]:
 
     return (ConfigError, RegistryError, PlanError, UnsupportedModelError, DataFormatError,
             MissingPackageError, TuningError, FileNotFoundError, NotADirectoryError,
-            PermissionError)
+            IsADirectoryError, PermissionError)
 
 
 def message_of(error: BaseException) -> str:

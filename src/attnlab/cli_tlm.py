@@ -144,6 +144,9 @@ def finetune(
     from .recipes.tlm_config import STAGE2_KEYS, load_tlm_config
 
     with _errors():
+        if run_dir.is_file():
+            raise NotADirectoryError(f"{run_dir} is a file; give the TLM run folder (the one "
+                                     "holding config.yaml and stage1/)")
         if not (run_dir / "config.yaml").is_file():
             raise FileNotFoundError(f"{run_dir / 'config.yaml'} not found: is {run_dir} a TLM "
                                     "run folder (attnlab tlm train)?")

@@ -95,6 +95,11 @@ def bench_data(name: str, length: int, train_size: int, eval_size: int,
         dev: list[Any] = lo.examples_from_rows(rows["dev"], "dev")
         about = f"ListOps trees of {low + 1}-{high - 1} tokens (LRA's generator, seed {DATA_SEED})"
     elif name == "recall":
+        if length < 4 * rc.NUM_KV_PAIRS:  # each pair and its query take 4 positions
+            raise ValueError(f"--length {length} is too short for the recall task ("
+                             f"{rc.NUM_KV_PAIRS} key-value pairs and their queries need "
+                             f"{4 * rc.NUM_KV_PAIRS} tokens); give --length "
+                             f"{4 * rc.NUM_KV_PAIRS} or more")
         n, v = length - length % 2, recall_vocab(length)
         splits = rc.generate_recall(train_size, eval_size, 0, vocab_size=v, input_seq_len=n,
                                     seed=DATA_SEED)

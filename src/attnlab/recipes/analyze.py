@@ -201,6 +201,10 @@ def load_features(source: TextSource, tokenizer: Any) -> list[dict[str, list[int
         raise ValueError(f"--max-length must be at least 3, got {max_length}")
     if source.text_file is not None:
         path = Path(source.text_file)
+        if path.is_dir():
+            raise IsADirectoryError(f"text file {path} is a folder; give a .txt file (one "
+                                    'sentence per line) or a .jsonl file ({"text": ...} per '
+                                    "line)")
         if not path.is_file():
             raise FileNotFoundError(f"text file {path} does not exist")
         texts = [t.text for t in read_texts(path)][: source.limit]

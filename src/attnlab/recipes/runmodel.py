@@ -96,6 +96,10 @@ def load_run_model(run_dir: str | Path) -> tuple[torch.nn.Module, Any, Experimen
 
 def _no_weights(run_dir: Path, weights: Path) -> str:
     """Why a folder without tuned weights is no finished run, and what to give instead."""
+    if (run_dir / "tlm.json").is_file() or (run_dir / "stage1").is_dir():
+        return (f"{run_dir} is a run of `attnlab tlm`, which this command does not read; its "
+                f"dev metrics are in {run_dir / 'summary.json'} (`attnlab collect` tabulates "
+                "them)")
     runs = sorted(p for pattern in ("seed-*", "*/seed-*") for p in run_dir.glob(pattern)
                   if p.is_dir())
     if runs:

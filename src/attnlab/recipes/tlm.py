@@ -70,6 +70,9 @@ from .tlm_config import STAGE2_KEYS, TlmConfig, config_yaml, saved_config_change
 
 # ----------------------------------------------------------------------------- the pipeline
 
+_NO_STAGE1 = ("{run_dir} has no finished stage 1 (stage1/model.safetensors): run `attnlab tlm "
+              "train` first, or continue it with --resume")
+
 
 def run_tlm(cfg: TlmConfig, run_dir: Path | None = None, *, resume: bool = False,
             stages: tuple[int, ...] = (1, 2), stop_after: int | None = None,
@@ -91,6 +94,8 @@ def run_tlm(cfg: TlmConfig, run_dir: Path | None = None, *, resume: bool = False
                               + "; ".join(changes) + "); give another name or output_dir")
     if resume and stages == (1, 2) and (done := _finished(run_dir)) is not None:
         return done  # nothing left to do
+    if stages == (2,) and tt.stage1_result(run_dir) is None:  # refused before any write
+        raise ConfigError(_NO_STAGE1.format(run_dir=run_dir))
     started, t0 = now(), time.perf_counter()
     try:
         return _run_tlm(cfg, run_dir, resume, stages, stop_after, progress, started, t0)
@@ -135,8 +140,7 @@ def _run_tlm(cfg: TlmConfig, run_dir: Path, resume: bool, stages: tuple[int, ...
     if 2 not in stages:
         return {"status": "stage1", "stage1": stage1}
     if stage1 is None:
-        raise ConfigError(f"{run_dir} has no finished stage 1 (stage1/model.safetensors): run "
-                          "`attnlab tlm train` first, or continue it with --resume")
+        raise ConfigError(_NO_STAGE1.format(run_dir=run_dir))
     stage2 = tt.run_stage2(cfg, data, run_dir, resume=resume)
     summary = tt.write_results(cfg, data, run_dir, stage1, stage2, started, t0)
     if not cfg.keep_checkpoints:

@@ -26,6 +26,7 @@ from ..config import (
 )
 
 External = Literal["bm25", "random", "none"]
+CORPUS_SUFFIXES = (".jsonl", ".txt")  # what tlm.retrieve.read_corpus reads
 HEADS = ("sequence-classification", "token-classification")
 
 
@@ -223,6 +224,18 @@ def _validate_sources(cfg: TlmConfig) -> None:
         raise ConfigError(f"retrieval.passage_tokens must be >= 8, got {r.passage_tokens}")
     if r.random_count is not None and r.random_count < 1:
         raise ConfigError(f"retrieval.random_count must be >= 1, got {r.random_count}")
+    if not r.k1 >= 0:
+        raise ConfigError(f"retrieval.k1 must be >= 0 (BM25's term saturation, e.g. 1.2), "
+                          f"got {r.k1}")
+    if not 0 <= r.b <= 1:
+        raise ConfigError(f"retrieval.b must be in [0, 1] (BM25's length normalisation, e.g. "
+                          f"0.75), got {r.b}")
+    if r.cache_dir is not None:
+        blocker = next((p for p in (Path(r.cache_dir), *Path(r.cache_dir).parents)
+                        if p.exists()), None)
+        if blocker is not None and not blocker.is_dir():
+            raise ConfigError(f"retrieval.cache_dir {r.cache_dir!r}: {blocker} is a file, not "
+                              "a folder; give a folder (or null for <output_dir>/tlm-cache)")
     if cfg.external == "none":
         return
     if r.hits is not None and cfg.external == "bm25":
@@ -236,6 +249,9 @@ def _validate_sources(cfg: TlmConfig) -> None:
     if not Path(r.corpus).is_file():
         raise ConfigError(f"retrieval.corpus {r.corpus!r} is not a file; give a JSONL or text "
                           "corpus, e.g. ../shared/data/corpus_en/docs.jsonl")
+    if Path(r.corpus).suffix not in CORPUS_SUFFIXES:
+        raise ConfigError(f"retrieval.corpus {r.corpus!r}: give a .jsonl file "
+                          '({"text": ...} per line) or a .txt file (one document per line)')
 
 
 def config_yaml(cfg: TlmConfig) -> str:
@@ -295,6 +311,7 @@ def load_index(cfg: TlmConfig, progress: bool = True):
     build is atomic: a folder is an index only once complete). An index in the folder that
     was built from another corpus (file, size, mtime), passage length, k1 or b is refused
     (a ConfigError naming the difference), never silently used."""
+    from ..tasks.base import DataFormatError
     from ..tlm import retrieve as tr  # bm25s: imported on use
 
     folder = cache_dir(cfg) / "index"
@@ -311,7 +328,13 @@ def load_index(cfg: TlmConfig, progress: bool = True):
                 f"{folder} holds a BM25 index of other data: " + "; ".join(diff) + ". Remove "
                 "that folder (with its hits/) to rebuild it, or set another retrieval.cache_dir")
         return index
-    passages = tr.split_passages(tr.read_corpus(Path(str(r.corpus))), max_tokens=r.passage_tokens)
+    try:
+        docs = tr.read_corpus(Path(str(r.corpus)))
+    except DataFormatError:
+        raise
+    except ValueError as e:  # e.g. a corpus of blank lines only
+        raise ConfigError(f"retrieval.corpus: {e}") from None
+    passages = tr.split_passages(docs, max_tokens=r.passage_tokens)
     if not passages:
         raise ConfigError(f"retrieval.corpus {r.corpus}: no passages (is it empty?)")
     return tr.Bm25Index.build(passages, folder, k1=r.k1, b=r.b, show_progress=progress,
@@ -362,6 +385,10 @@ def external_file(cfg: TlmConfig, examples: list, progress: bool = True) -> dict
         return {"condition": "bm25", "file": str(bm25), "passages": count_passages(bm25),
                 "k": k}
     count = r.random_count if r.random_count is not None else count_passages(bm25)
+    if count > len(index):
+        raise ConfigError(f"retrieval.random_count {count} is more than the corpus's "
+                          f"{len(index):,} passages; give at most {len(index)}, or null for as "
+                          "many as BM25 retrieves")
     path = cache_dir(cfg) / "hits" / f"random-n{count}-seed{cfg.seed}.jsonl"
     if not path.is_file():
         tr.write_hits(path, tr.random_passages(index, count, cfg.seed))
