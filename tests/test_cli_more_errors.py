@@ -87,7 +87,7 @@ def test_finetune_of_a_file_names_the_folder_to_give(tmp_path):
     # each was a ValueError traceback from the BM25 index (after reading the task data)
     ("retrieval.k1=-1", "retrieval.k1 must be >= 0"),
     ("retrieval.b=2", "retrieval.b must be in [0, 1]"),
-    ("retrieval.corpus={tmp}/corpus.csv", "give a .jsonl file"),
+    ("retrieval.corpus={tmp}/corpus.csv", "corpus files must be .jsonl"),
     ("retrieval.corpus={tmp}/blank.jsonl", "blank.jsonl: the corpus holds no documents"),
     # a FileExistsError traceback after the index was built in memory
     ("retrieval.cache_dir={tmp}/afile/cache", "afile is a file, not a folder"),
@@ -110,16 +110,6 @@ def test_bad_retrieval_settings_are_one_line(tmp_path, command, setting, expect)
     # no run folder; at most the corpus's index cache, which the next run reuses
     assert not runs.exists() or sorted(p.name for p in runs.iterdir()) == ["tlm-cache"]
     assert (tmp_path / "afile").read_text() == "keep me"
-
-
-def test_corpus_suffixes_agree_with_the_reader():
-    from attnlab.recipes.tlm_config import CORPUS_SUFFIXES
-    from attnlab.tlm.retrieve import CORPUS_SUFFIXES as READ
-
-    assert CORPUS_SUFFIXES == READ
-
-
-# ----------------------------------------------------------------------------- eval
 
 
 def test_eval_of_a_tlm_run_says_where_its_result_is(tmp_path):

@@ -145,6 +145,26 @@ def test_an_explicit_cache_dir_refuses_an_index_of_other_data(tmp_path):
         load_index(_cfg(tmp_path, b, f"retrieval.cache_dir={cache}"), progress=False)
 
 
+def test_a_folder_corpus_is_read_and_an_edit_inside_it_is_another_index(tmp_path):
+    """The issue's "JSONL or text folders": a folder of .jsonl/.txt files passes the config
+    check and is indexed whole; adding a file inside gives another cache folder (its
+    fingerprint counts the files read, their sizes and latest mtime), never the old index."""
+    import os
+
+    folder = tmp_path / "corpus"
+    _corpus(folder / "a.jsonl", ["alpha beta gamma", "delta epsilon"])
+    (folder / "b.txt").write_text("zeta eta theta\n\niota kappa\n")
+    (folder / ".hidden.txt").write_text("never read\n")
+    cfg = _cfg(tmp_path, folder)
+    index = load_index(cfg, progress=False)
+    assert len(index) == 4
+    before = cache_dir(cfg)
+    (folder / "c.txt").write_text("lambda mu\n")
+    os.utime(folder / "c.txt", ns=(1, 1))  # an old mtime: the count and size still differ
+    after = cache_dir(_cfg(tmp_path, folder))
+    assert after != before and len(load_index(_cfg(tmp_path, folder), progress=False)) == 5
+
+
 # ----------------------------------------------------------------------------- defaults
 
 

@@ -160,7 +160,7 @@ def test_an_empty_external_set_is_refused_before_training(tmp_path):
     ("task.name=squad", "sequence or token classification"),
     ("stage2.warmup_ratio=1.5", "stage2.warmup_ratio must be in [0, 1)"),
     ("retrieval.hits=null", "needs retrieval.corpus"),
-    ("retrieval.corpus=/no/such/corpus.jsonl", "is not a file"),
+    ("retrieval.corpus=/no/such/corpus.jsonl", "corpus.jsonl does not exist"),
 ])
 def test_bad_config_is_one_line(tmp_path, override, expect):
     extra = [override] if "corpus" not in override else ["retrieval.hits=null", override]

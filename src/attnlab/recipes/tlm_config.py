@@ -26,7 +26,6 @@ from ..config import (
 )
 
 External = Literal["bm25", "random", "none"]
-CORPUS_SUFFIXES = (".jsonl", ".txt")  # what tlm.retrieve.read_corpus reads
 HEADS = ("sequence-classification", "token-classification")
 
 
@@ -47,7 +46,8 @@ class TlmModelSection:
 class RetrievalSection:
     """Where the external data comes from (``attnlab.tlm.retrieve``)."""
 
-    corpus: str | None = None  # general corpus D: JSONL ({"text": ...}) or .txt documents
+    # general corpus D: a JSONL ({"text": ...}) or .txt file, or a folder of them
+    corpus: str | None = None
     hits: str | None = None  # a ready external set (JSONL with "text"): used, not retrieved
     cache_dir: str | None = None  # BM25 index + hits (None: <output_dir>/tlm-cache/<corpus>-...)
     k: int | None = None  # K neighbours per task example (None: default_k, 50/500/5000)
@@ -246,12 +246,14 @@ def _validate_sources(cfg: TlmConfig) -> None:
     if r.corpus is None:
         raise ConfigError(f"external={cfg.external} needs retrieval.corpus (a JSONL or text "
                           "corpus, e.g. ../shared/data/corpus_en/docs.jsonl); or external=none")
-    if not Path(r.corpus).is_file():
-        raise ConfigError(f"retrieval.corpus {r.corpus!r} is not a file; give a JSONL or text "
-                          "corpus, e.g. ../shared/data/corpus_en/docs.jsonl")
-    if Path(r.corpus).suffix not in CORPUS_SUFFIXES:
-        raise ConfigError(f"retrieval.corpus {r.corpus!r}: give a .jsonl file "
-                          '({"text": ...} per line) or a .txt file (one document per line)')
+    from ..tlm.retrieve import corpus_files
+
+    try:
+        corpus_files(r.corpus)
+    except (ValueError, FileNotFoundError) as e:
+        raise ConfigError(f"retrieval.corpus {r.corpus!r}: {e}; give a JSONL or text corpus "
+                          "file, or a folder of them, e.g. ../shared/data/corpus_en/docs.jsonl"
+                          ) from None
 
 
 def config_yaml(cfg: TlmConfig) -> str:
@@ -278,21 +280,24 @@ def saved_config_changes(run_dir: Path, cfg: TlmConfig, ignore: tuple[str, ...] 
 
 
 def corpus_source(cfg: TlmConfig) -> dict[str, Any]:
-    """What an index of ``cfg``'s corpus is built from: the corpus file (resolved path, size
-    in bytes, modification time in ns) and the passage length. Kept in the index's metadata
+    """What an index of ``cfg``'s corpus is built from: the corpus (resolved path; of the
+    files read, ``tlm.retrieve.corpus_files``: their count, total size in bytes and latest
+    modification time in ns) and the passage length. Kept in the index's metadata
     (``Bm25Index.build(source=...)``) and compared on every load."""
+    from ..tlm.retrieve import corpus_files
+
     r = cfg.retrieval
     path = Path(str(r.corpus)).expanduser().resolve()
-    st = path.stat()
-    return {"corpus": str(path), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns,
-            "passage_tokens": r.passage_tokens}
+    stats = [f.stat() for f in corpus_files(path)]
+    return {"corpus": str(path), "files": len(stats), "bytes": sum(s.st_size for s in stats),
+            "mtime_ns": max(s.st_mtime_ns for s in stats), "passage_tokens": r.passage_tokens}
 
 
 def cache_dir(cfg: TlmConfig) -> Path:
     """Folder of the BM25 index and the hits of one corpus under one BM25 setting.
 
     Default: ``<output_dir>/tlm-cache/<corpus stem>-<fingerprint>-p<passage_tokens>-k1_<k1>-
-    b<b>``, the fingerprint a digest of the corpus file's resolved path, size and mtime, so
+    b<b>``, the fingerprint a digest of ``corpus_source`` (path, files, size, mtime), so
     two corpora of one name (``en/docs.jsonl``, ``de/docs.jsonl``), or a corpus edited in
     place, never share an index."""
     r = cfg.retrieval
@@ -300,8 +305,8 @@ def cache_dir(cfg: TlmConfig) -> Path:
         return Path(r.cache_dir)
     stem = Path(str(r.corpus)).stem
     src = corpus_source(cfg)
-    tag = hashlib.sha256(repr((src["corpus"], src["bytes"], src["mtime_ns"])).encode()
-                         ).hexdigest()[:8]
+    tag = hashlib.sha256(repr((src["corpus"], src["files"], src["bytes"], src["mtime_ns"])
+                              ).encode()).hexdigest()[:8]
     return (Path(cfg.output_dir) / "tlm-cache"
             / f"{stem}-{tag}-p{r.passage_tokens}-k1_{r.k1:g}-b{r.b:g}")
 
@@ -309,7 +314,7 @@ def cache_dir(cfg: TlmConfig) -> Path:
 def load_index(cfg: TlmConfig, progress: bool = True):
     """The corpus's BM25 index (``cache_dir/index``): loaded, or built there first (the
     build is atomic: a folder is an index only once complete). An index in the folder that
-    was built from another corpus (file, size, mtime), passage length, k1 or b is refused
+    was built from another corpus (path, files, size, mtime), passage length, k1 or b is refused
     (a ConfigError naming the difference), never silently used."""
     from ..tasks.base import DataFormatError
     from ..tlm import retrieve as tr  # bm25s: imported on use

@@ -150,24 +150,32 @@ def analyze(texts: Sequence[str]) -> list[list[str]]:
                           return_ids=False, show_progress=False)
 
 
+def corpus_files(path: str | Path) -> list[Path]:
+    """The files a corpus ``path`` is read from: the file itself (``.jsonl`` or ``.txt``) or
+    a folder's ``.jsonl``/``.txt`` files, searched recursively, in sorted path order, hidden
+    ones skipped. ValueError for another suffix or a folder without such files,
+    FileNotFoundError when nothing is there."""
+    root = Path(path).expanduser()
+    if root.is_file():
+        if root.suffix not in CORPUS_SUFFIXES:
+            raise ValueError(f"{root}: corpus files must be .jsonl or .txt, got {root.suffix!r}")
+        return [root]
+    if root.is_dir():
+        files = sorted(f for f in root.rglob("*") if f.is_file() and f.suffix in CORPUS_SUFFIXES
+                       and not any(p.startswith(".") for p in f.relative_to(root).parts))
+        if not files:
+            raise ValueError(f"{root}: no .jsonl or .txt files in this folder")
+        return files
+    raise FileNotFoundError(f"corpus {root} does not exist")
+
+
 def read_corpus(path: str | Path) -> list[TextExample]:
     """Documents of a ``.jsonl`` file (``{"text": ..., "id": ...}`` per line), a ``.txt`` file
     (one document per non-blank line) or a folder of them (searched recursively, files in
     sorted path order, hidden ones skipped). Bad JSON or a missing "text" raises
     ``DataFormatError`` naming file:line (``tasks.mlm.read_texts``)."""
     root = Path(path).expanduser()
-    if root.is_file():
-        if root.suffix not in CORPUS_SUFFIXES:
-            raise ValueError(f"{root}: corpus files must be .jsonl or .txt, got {root.suffix!r}")
-        files = [root]
-    elif root.is_dir():
-        files = sorted(f for f in root.rglob("*") if f.is_file() and f.suffix in CORPUS_SUFFIXES
-                       and not any(p.startswith(".") for p in f.relative_to(root).parts))
-        if not files:
-            raise ValueError(f"{root}: no .jsonl or .txt files in this folder")
-    else:
-        raise FileNotFoundError(f"corpus {root} does not exist")
-    docs = [d for f in files for d in read_texts(f)]
+    docs = [d for f in corpus_files(root) for d in read_texts(f)]
     if not docs:
         raise ValueError(f"{root}: the corpus holds no documents (every line is blank)")
     return docs
