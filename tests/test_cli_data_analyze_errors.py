@@ -54,7 +54,7 @@ def _sst2(root, dev_label="1"):
     # the generators' argument names are given as the options the user typed
     (["recall", "--length", "7"], "--length must be even"),
     (["recall", "--vocab-size", "10"], "--vocab-size (10) must be larger than --length (64)"),
-    (["listops", "--max-depth", "0"], "--max-depth >= 1"),
+    (["listops", "--max-depth", "0"], "--max-depth must be >= 1"),
     (["text", "--min-bytes", "50", "--max-bytes", "10", "--data-dir", "{sst}"],
      "--min-bytes <= --max-bytes"),
     (["text", "--data-dir", "{bad_sst}"], "bad label '7'"),

@@ -182,3 +182,26 @@ def test_analyze_heads_text_file_that_is_a_folder(tmp_path):
                                            "--out", str(out)]))
     assert f"text file {tmp_path} is a folder; give a .txt file" in line
     assert not out.exists()
+
+
+@pytest.mark.parametrize("args,expect", [
+    (["--num-valid", "-1"], "--num-valid must be >= 0, got -1"),
+    (["--max-depth", "0"], "--max-depth must be >= 1, got 0"),
+    (["--max-args", "1"], "--max-args must be >= 2, got 1"),
+])
+def test_data_listops_names_the_option_at_fault(tmp_path, args, expect):
+    line = _error_line(runner.invoke(app, ["data", "listops", "--out", str(tmp_path / "lo"),
+                                           *args]))
+    assert expect in line
+    assert not (tmp_path / "lo").exists()
+
+
+def test_a_file_where_a_folder_goes(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    line = _error_line(runner.invoke(app, ["collect", str(afile), "--out", str(tmp_path / "c")]))
+    assert "afile: is a file, not a folder" in line
+    line = _error_line(runner.invoke(app, ["data", "text", "--out", str(tmp_path / "tx"),
+                                           "--data-dir", str(afile)]))
+    assert "data_dir" in line and "afile is a file" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]

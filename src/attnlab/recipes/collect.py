@@ -107,7 +107,8 @@ def collect(items: list[str], show: list[str] | None = None, matrix: bool = Fals
     for item in items:
         label, path = _split_item(item)
         if not path.is_dir():
-            raise ConfigError(f"{path}: no such folder (give a compare output or variant folder)")
+            what = "is a file, not a folder" if path.exists() else "no such folder"
+            raise ConfigError(f"{path}: {what} (give a compare output or variant folder)")
         if matrix:
             cell_of(label)
             if not _seeds(path):

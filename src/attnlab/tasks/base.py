@@ -179,6 +179,9 @@ def find_dir(data_dir: str | Path, subdirs: Sequence[str], marker: str, what: st
     benchmark's folder (``glue/CoLA``) or the task folder itself.
     """
     root = Path(data_dir).expanduser()
+    if root.is_file():
+        raise FileNotFoundError(f"{what}: data_dir {root} is a file; pass the data root (e.g. "
+                                "../shared/data) or the task's folder")
     tried = []
     for sub in subdirs:
         cand = root / sub if sub else root

@@ -228,8 +228,11 @@ def generate_listops(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 
     counts = (num_train, num_valid, num_test)
-    if min(counts) < 0 or max_depth < 1 or max_args < 2:
-        raise ValueError("sample counts must be >= 0, max_depth >= 1 and max_args >= 2")
+    for name, value, least in (("num_train", num_train, 0), ("num_valid", num_valid, 0),
+                               ("num_test", num_test, 0), ("max_depth", max_depth, 1),
+                               ("max_args", max_args, 2)):
+        if value < least:
+            raise ValueError(f"{name} must be >= {least}, got {value}")
     if not min_length + 1 < max_length:
         raise ValueError(f"no length lies strictly between min_length={min_length} and "
                          f"max_length={max_length}")
