@@ -205,3 +205,10 @@ def test_a_file_where_a_folder_goes(tmp_path):
                                            "--data-dir", str(afile)]))
     assert "data_dir" in line and "afile is a file" in line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
+def test_analyze_links_names_batch_size(tmp_path):
+    line = _error_line(runner.invoke(app, ["analyze", "links", "--batch-size", "0",
+                                           "--out", str(tmp_path / "o")]))
+    assert "--batch-size" in line
+    assert not (tmp_path / "o").exists()

@@ -313,6 +313,7 @@ def links(
 
     if sentences < 1:
         fail(f"--sentences must be at least 1, got {sentences}")
+    at_least("--batch-size", batch_size)
     if out is not None:
         file_option("--out", out)
     with user_errors(ValueError, KeyError):
