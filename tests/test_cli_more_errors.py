@@ -1,15 +1,12 @@
-"""Bad input to ``attnlab tlm ...``, ``attnlab bench lra|record``, ``attnlab eval`` and
-``attnlab analyze heads``: one line naming the problem and the fix, exit status 2, and
-nothing written or changed on disk by the refused command."""
+"""Bad input to ``attnlab eval`` (a TLM run), ``attnlab bench lra|record``, ``attnlab data``,
+``attnlab collect`` and ``attnlab analyze``: one line naming the problem and the fix, exit
+status 2, and nothing written or changed on disk by the refused command."""
 
 from __future__ import annotations
 
-import hashlib
 import json
-from pathlib import Path
 
 import pytest
-import yaml
 from typer.testing import CliRunner
 
 from attnlab.cli import app
@@ -30,86 +27,7 @@ def _error_line(res) -> str:
     return errors[0]
 
 
-def _tlm_config(tmp: Path, external: str = "bm25", **retrieval) -> Path:
-    """A tiny TLM config in ``tmp`` (a 1-layer encoder, CoLA's shipped sample)."""
-    cfg = {
-        "output_dir": str(tmp / "runs"), "external": external,
-        "model": {"size": "tiny", "max_length": 16,
-                  "config": {"hidden_size": 32, "num_hidden_layers": 1,
-                             "num_attention_heads": 2, "intermediate_size": 64}},
-        "task": {"name": "cola", "data_dir": "builtin", "train_limit": 8, "eval_limit": 8},
-        "retrieval": retrieval,
-        "stage1": {"steps": 3, "batch_size": 4, "rho1": 1, "lr": 1.0e-3, "save_every": 1},
-        "stage2": {"batch_size": 8, "max_steps": 1, "eval_every": 1, "lr": 1.0e-3},
-        "eval": {"batch_size": 8},
-    }
-    path = tmp / "tlm.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
-
-
-def _digests(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
 # ----------------------------------------------------------------------------- tlm
-
-
-def test_finetune_of_an_unfinished_stage1_changes_nothing_and_resume_still_works(tmp_path):
-    """A refused ``tlm finetune`` had rewritten config.yaml with its overrides and written
-    a "failed" summary.json, so the ``--resume`` its own message suggests was then refused
-    ("it was run under another config")."""
-    from attnlab.recipes.tlm import run_tlm
-    from attnlab.recipes.tlm_config import load_tlm_config
-
-    config = _tlm_config(tmp_path, external="none")
-    cfg = load_tlm_config(config)
-    assert run_tlm(cfg, stop_after=1, progress=False)["status"] == "interrupted"
-    before = _digests(cfg.run_dir)
-    line = _error_line(runner.invoke(app, ["tlm", "finetune", str(cfg.run_dir),
-                                           "stage2.lr=0.01"]))
-    assert "has no finished stage 1" in line and "--resume" in line
-    assert _digests(cfg.run_dir) == before  # no summary.json, config.yaml as it was
-    res = runner.invoke(app, ["tlm", "train", str(config), "--resume"])
-    assert res.exit_code == 0, res.output
-    assert json.loads((cfg.run_dir / "summary.json").read_text())["status"] == "finished"
-
-
-def test_finetune_of_a_file_names_the_folder_to_give(tmp_path):
-    (tmp_path / "config.yaml").write_text("seed: 0\n")
-    line = _error_line(runner.invoke(app, ["tlm", "finetune", str(tmp_path / "config.yaml")]))
-    assert "config.yaml is a file; give the TLM run folder" in line
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml"]
-
-
-@pytest.mark.parametrize("setting,expect", [
-    # each was a ValueError traceback from the BM25 index (after reading the task data)
-    ("retrieval.k1=-1", "retrieval.k1 must be >= 0"),
-    ("retrieval.b=2", "retrieval.b must be in [0, 1]"),
-    ("retrieval.corpus={tmp}/corpus.csv", "corpus files must be .jsonl"),
-    ("retrieval.corpus={tmp}/blank.jsonl", "blank.jsonl: the corpus holds no documents"),
-    # a FileExistsError traceback after the index was built in memory
-    ("retrieval.cache_dir={tmp}/afile/cache", "afile is a file, not a folder"),
-    # the tiny corpus has 4 passages: a ValueError traceback after retrieval
-    ("retrieval.random_count=9", "retrieval.random_count 9 is more than the corpus's 4"),
-])
-@pytest.mark.parametrize("command", ["retrieve", "train"])
-def test_bad_retrieval_settings_are_one_line(tmp_path, command, setting, expect):
-    corpus = tmp_path / "corpus.jsonl"
-    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
-    (tmp_path / "corpus.csv").write_text(corpus.read_text())
-    (tmp_path / "blank.jsonl").write_text("\n  \n")
-    (tmp_path / "afile").write_text("keep me")
-    config = _tlm_config(tmp_path, external="random" if "random" in setting else "bm25",
-                         corpus=str(corpus))
-    line = _error_line(runner.invoke(app, ["tlm", command, str(config),
-                                           setting.format(tmp=tmp_path)]))
-    assert expect in line
-    runs = tmp_path / "runs"
-    # no run folder; at most the corpus's index cache, which the next run reuses
-    assert not runs.exists() or sorted(p.name for p in runs.iterdir()) == ["tlm-cache"]
-    assert (tmp_path / "afile").read_text() == "keep me"
 
 
 def test_eval_of_a_tlm_run_says_where_its_result_is(tmp_path):
