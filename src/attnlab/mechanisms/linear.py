@@ -126,6 +126,8 @@ def _bidirectional(fq, fk, v, eps: float) -> torch.Tensor:
     num = torch.einsum("bhnr,bhre->bhne", fq, kv)  # [b,h,n,dv]
     den = torch.einsum("bhnr,bhr->bhn", fq, z)  # [b,h,n]
     return _divide(num, den, eps)
+
+
 def _causal(fq, fk, v, eps: float, chunk: int, cs: torch.Tensor | None = None
             ) -> torch.Tensor:
     """Causal form with chunked prefix sums; queries aligned to the last n keys.
@@ -141,7 +143,7 @@ def _causal(fq, fk, v, eps: float, chunk: int, cs: torch.Tensor | None = None
     per-position cumsum, and no Python loop over the sequence.
 
     ``cs`` [b,h,m]: keys stabilised each by its own running maximum (Performer,
-    ``favor_features(..., causal=True)``: phi(k_j) carries exp(-cs_j), cs non-decreasing);
+    ``favor_causal_key_features``: phi(k_j) carries exp(-cs_j), cs non-decreasing);
     every term a row sums is brought to the row's own scale exp(-cs_i) by factors
     exp(cs_j - cs_i) <= 1 (:func:`_rescaled_causal`), so no key after a row sets its scale.
     """
