@@ -398,6 +398,16 @@ def gaussian_orthogonal_features(m: int, d: int, generator: torch.Generator,
     return (w * norms[:, None]).float()
 
 
+def _favor_exponent(x: torch.Tensor, w: torch.Tensor, key_mask: torch.Tensor | None
+                    ) -> torch.Tensor:
+    """w^T x - |x|^2/2 [b,h,L,m] for x [b,h,L,d]; -inf at padded positions (key_mask [b,L]
+    False), so their features are 0."""
+    expo = x @ w.transpose(0, 1) - x.square().sum(dim=-1, keepdim=True) / 2  # [b,h,L,m]
+    if key_mask is not None:
+        expo = expo.masked_fill(~key_mask[:, None, :, None].to(torch.bool), float("-inf"))
+    return expo
+
+
 def favor_features(x: torch.Tensor, w: torch.Tensor, key_mask: torch.Tensor | None = None,
                    is_query: bool = True) -> torch.Tensor:
     """phi(x) = exp(w^T x - |x|^2/2) / sqrt(m) [b,h,L,m] for x [b,h,L,d] (already scaled).
@@ -407,10 +417,7 @@ def favor_features(x: torch.Tensor, w: torch.Tensor, key_mask: torch.Tensor | No
     factors of a normaliser's numerator and denominator, so they cancel exactly (no eps is
     added, see Performer). Padded keys (key_mask [b,L] False) get phi = 0.
     """
-    proj = x @ w.transpose(0, 1)  # [b,h,L,m]
-    expo = proj - x.square().sum(dim=-1, keepdim=True) / 2  # [b,h,L,m]
-    if not is_query and key_mask is not None:
-        expo = expo.masked_fill(~key_mask[:, None, :, None].to(torch.bool), float("-inf"))
+    expo = _favor_exponent(x, w, None if is_query else key_mask)  # [b,h,L,m]
     with torch.no_grad():  # a constant for the gradient (it cancels)
         if is_query:
             stab = expo.amax(dim=-1, keepdim=True)  # [b,h,L,1]
@@ -432,10 +439,7 @@ def favor_causal_key_features(x: torch.Tensor, w: torch.Tensor,
     scale. As ``favor_features`` otherwise (padded keys get phi = 0; 1/sqrt(m) inside the
     exponent). Leading padded keys take the first unpadded key's scale, so cs is
     non-decreasing; an all-padded row gets 0."""
-    proj = x @ w.transpose(0, 1)  # [b,h,L,m]
-    expo = proj - x.square().sum(dim=-1, keepdim=True) / 2  # [b,h,L,m]
-    if key_mask is not None:
-        expo = expo.masked_fill(~key_mask[:, None, :, None].to(torch.bool), float("-inf"))
+    expo = _favor_exponent(x, w, key_mask)  # [b,h,L,m]
     with torch.no_grad():  # constants for the gradient (each row's cancels)
         cs = torch.cummax(expo.amax(dim=-1), dim=-1).values  # [b,h,L]
         finite = torch.isfinite(cs)

@@ -293,18 +293,19 @@ def corpus_source(cfg: TlmConfig) -> dict[str, Any]:
             "mtime_ns": max(s.st_mtime_ns for s in stats), "passage_tokens": r.passage_tokens}
 
 
-def cache_dir(cfg: TlmConfig) -> Path:
+def cache_dir(cfg: TlmConfig, source: dict[str, Any] | None = None) -> Path:
     """Folder of the BM25 index and the hits of one corpus under one BM25 setting.
 
     Default: ``<output_dir>/tlm-cache/<corpus stem>-<fingerprint>-p<passage_tokens>-k1_<k1>-
     b<b>``, the fingerprint a digest of ``corpus_source`` (path, files, size, mtime), so
     two corpora of one name (``en/docs.jsonl``, ``de/docs.jsonl``), or a corpus edited in
-    place, never share an index."""
+    place, never share an index. ``source``: ``corpus_source(cfg)``, when the caller has it
+    (its file stats are then not read again)."""
     r = cfg.retrieval
     if r.cache_dir is not None:
         return Path(r.cache_dir)
     stem = Path(str(r.corpus)).stem
-    src = corpus_source(cfg)
+    src = source or corpus_source(cfg)
     tag = hashlib.sha256(repr((src["corpus"], src["files"], src["bytes"], src["mtime_ns"])
                               ).encode()).hexdigest()[:8]
     return (Path(cfg.output_dir) / "tlm-cache"
@@ -319,9 +320,9 @@ def load_index(cfg: TlmConfig, progress: bool = True):
     from ..tasks.base import DataFormatError
     from ..tlm import retrieve as tr  # bm25s: imported on use
 
-    folder = cache_dir(cfg) / "index"
     r = cfg.retrieval
-    source = corpus_source(cfg)
+    source = corpus_source(cfg)  # the files' stats, read once
+    folder = cache_dir(cfg, source) / "index"
     if (folder / tr.META_NAME).is_file():
         index = tr.Bm25Index.load(folder, mmap=True)
         built = {**(index.meta.get("source") or {}), "k1": index.k1, "b": index.b}
