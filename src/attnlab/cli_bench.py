@@ -91,6 +91,8 @@ def bench_speed(
     _check_dtype(dtype)
     at_least("--repeats", repeats)
     at_least("--threads", threads)
+    at_least("--dense-max-n", dense_max_n)
+    at_least("--fit-from", fit_from)
     lengths = positive_ints(n, "--n")
     _check_device(device)
     from .bench.suite import format_table, run_suite

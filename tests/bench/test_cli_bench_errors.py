@@ -100,6 +100,19 @@ def test_bench_sparse_checks_dtype_and_threads_first(no_work, args, says):
     assert _error_line(runner.invoke(app, ["bench", "sparse", "--ns", "64", *args])) == says
 
 
+@pytest.mark.parametrize("args, says", [
+    (["--fit-from", "-5"], "error: --fit-from -5: give 1 or more"),
+    (["--dense-max-n", "0"], "error: --dense-max-n 0: give 1 or more"),
+    (["--repeats", "0"], "error: --repeats 0: give 1 or more"),
+])
+def test_bench_speed_refuses_numbers_out_of_range_first(tmp_path, no_work, args, says):
+    out = tmp_path / "speed"
+    res = runner.invoke(app, ["bench", "speed", "--mechanisms", "band", "--n", "64",
+                              "--out", str(out), *args])
+    assert _error_line(res) == says
+    assert not out.exists()
+
+
 # ------------------------------------------------------------- 3. bench jat --counter
 
 

@@ -87,6 +87,11 @@ def test_train_stage1_only_then_finetune(tmp_path):
                               "--out", str(tmp_path / "heads")])
     assert res.exit_code == 0, res.output
     assert (tmp_path / "heads" / "head_scores.json").is_file()
+    # head importance needs a Hugging Face task head: refused in one line, nothing written
+    line = _error_line(runner.invoke(app, ["analyze", "importance", str(run), "--out",
+                                           str(tmp_path / "imp")]))
+    assert "is a TLM run" in line and "attnlab analyze heads" in line
+    assert not (tmp_path / "imp").exists()
 
 
 def test_finetune_needs_a_finished_stage1(tmp_path):

@@ -88,6 +88,10 @@ def run_importance(
     (see the module doc). ``analysis``: a head_scores.json (or its folder) for the classes;
     None analyses the model now on the same examples. ``metric``: the ablation's metric, one
     the task computes (default: its main metric)."""
+    if loaded.run_dir is not None and (loaded.run_dir / "tlm.json").is_file():
+        raise ValueError(f"{loaded.name} is a TLM run, whose task head is not a Hugging Face "
+                         "one that head importance can mask and score; `attnlab analyze heads "
+                         f"{loaded.source}` analyses its encoder")
     if source.text_file is not None:
         raise ValueError("head importance needs labelled examples: give a task (--task), not "
                          "--text-file")
