@@ -13,6 +13,8 @@ Peers (transformers module; parameters; what it computes):
   ``window`` and the first ``global_tokens`` positions global (the key sets of our
   ``band(window)`` and ``longformer(window, global_tokens=(0, ..))``, tested equal).
 * ``hf_bigbird(block, random_blocks)``: ``BigBirdBlockSparseAttention`` (``block_sparse``).
+  Run in eval mode, as every peer, where transformers draws no random blocks (each is block
+  0): the work of ``ours_for``'s layout, with the first block in place of the random ones.
 * ``hf_nystromformer(num_landmarks, conv_kernel)``: ``NystromformerSelfAttention``.
 * ``hf_reformer_lsh(buckets, chunk, num_hashes)``: ``LSHSelfAttention`` (one chunk before,
   none after; shared query-key).
