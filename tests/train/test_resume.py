@@ -139,7 +139,7 @@ def test_resume_refuses_another_chunk_size(tmp_path, monkeypatch):
         is_main_process = True
 
     log = MetricsLog(tmp_path / "metrics.jsonl", True)
-    fresh = start_state(_Acc(), tmp_path, log, False, 10)
+    fresh = start_state(_Acc(), None, tmp_path, log, False, 10)
     assert fresh.chunk_elems == chunk_elems()
     ckpt = tmp_path / "step-00000001"
     ckpt.mkdir()
@@ -150,3 +150,55 @@ def test_resume_refuses_another_chunk_size(tmp_path, monkeypatch):
         check_chunking(TrainerState(step=1, chunk_elems=4096), ckpt)
     check_chunking(TrainerState(step=1, chunk_elems=8192), ckpt)  # same value: fine
     check_chunking(TrainerState(step=1), ckpt)  # older checkpoints without the field: fine
+
+
+@pytest.mark.parametrize("spec", ["performer(num_features=8)", "probsparse(factor=1)",
+                                  "clustered(clusters=2, bits=4, iterations=2)",
+                                  "jat(variant='probsparse')"])
+def test_mechanisms_own_random_streams_resume_where_they_stood(tmp_path, spec):
+    """Mechanisms that draw afresh at every training forward from generators of their own
+    (performer's features, probsparse's samples, the clustered hashes, JAT's probsparse
+    variant): the checkpoint carries where the streams stand (``core.draws``), so the resumed
+    run draws what the uninterrupted one draws (before: performer 2.5e-3, probsparse 2.1e-3
+    from the uninterrupted weights)."""
+    base = [x for x in BASE if not x.startswith("train.grad_accum")] + [f"plan=all:all:{spec}"]
+
+    def run(name, **kw):
+        cfg = load_config(None, base + [f"name={name}", f"output_dir={tmp_path}"])
+        return run_experiment(cfg, **kw)
+
+    run("full")
+    assert run("cut", stop_after=3)["interrupted"]
+    run("cut", resume=True)
+    a = load_file(tmp_path / "full" / "tuned.safetensors")
+    b = load_file(tmp_path / "cut" / "tuned.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0)
+
+
+def test_draw_states_round_trip_and_refuse_another_model():
+    import attnlab
+    from attnlab.core.draws import draw_states, load_draw_states
+
+    dims = attnlab.HeadDims(num_heads=2, head_dim=8, max_len=32)
+    model = torch.nn.ModuleDict({"p": attnlab.build_mechanism("performer(num_features=4)", dims),
+                                 "s": attnlab.build_mechanism("probsparse", dims),
+                                 "plain": attnlab.build_mechanism("softmax", dims)}).train()
+    q = torch.randn(1, 2, 16, 8)
+    for _ in range(3):  # advance both streams
+        for name in ("p", "s"):
+            model[name](q, q, q, attnlab.AttnContext(layer_idx=1))
+    saved = draw_states(model)
+    assert set(saved) == {"p", "s"} and saved["p"] == {"draws": 3}
+    after = [model[n](q, q, q, attnlab.AttnContext(layer_idx=1)).out for n in ("p", "s")]
+    fresh = torch.nn.ModuleDict({"p": attnlab.build_mechanism("performer(num_features=4)", dims),
+                                 "s": attnlab.build_mechanism("probsparse", dims),
+                                 "plain": attnlab.build_mechanism("softmax", dims)}).train()
+    load_draw_states(fresh, saved)
+    again = [fresh[n](q, q, q, attnlab.AttnContext(layer_idx=1)).out for n in ("p", "s")]
+    for x, y in zip(after, again, strict=True):
+        assert torch.equal(x, y)
+    with pytest.raises(ValueError, match="module 'plain'.*another model"):
+        load_draw_states(fresh, {"plain": {"draws": 1}})
+

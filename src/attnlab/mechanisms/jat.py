@@ -26,6 +26,7 @@ from ..core import (
     check_qkv,
     register_mechanism,
 )
+from ..core.draws import generator_states, generators_from
 from ..core.reference import masked_softmax
 from ._jat_adjacency import (
     jump_counts,
@@ -409,6 +410,13 @@ class JumpSelfAttention(nn.Module):
         self.cfg, self.dims = cfg, dims
         self._streams: dict[int, torch.Generator] = {}  # probsparse training streams
         self.softmax = Softmax(SoftmaxConfig(), dims)  # no parameters: SDPA of the heads
+
+    def draw_state(self) -> dict[str, torch.Tensor]:
+        """The probsparse training streams, carried by checkpoints (``core.draws``)."""
+        return generator_states(self._streams)
+
+    def load_draw_state(self, state: dict[str, torch.Tensor]) -> None:
+        self._streams = generators_from(state)
 
     def sample(self, n: int, layer_idx: int) -> torch.Tensor:
         """The probsparse key sample [n, U] this module uses for a call in its current mode."""

@@ -494,6 +494,13 @@ class Performer(nn.Module):
         self.draws = 0  # training forwards that drew a fresh W (redraw="every_forward")
         self._fixed: dict[tuple[int, torch.device, torch.dtype], torch.Tensor] = {}
 
+    def draw_state(self) -> dict[str, int]:
+        """The training draw count, carried by checkpoints (``core.draws``)."""
+        return {"draws": self.draws}
+
+    def load_draw_state(self, state: dict[str, int]) -> None:
+        self.draws = int(state["draws"])
+
     def projection(self, layer_idx: int, draw: int = 0, device: torch.device | None = None,
                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """W [m, d] of draw ``draw`` for layer ``layer_idx`` (draw 0: the eval features)."""

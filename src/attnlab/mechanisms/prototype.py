@@ -13,7 +13,7 @@ C clusters, B hash bits, T Lloyd iterations, k top keys, U sampled keys, u activ
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import ClassVar, Protocol
@@ -33,6 +33,7 @@ from ..core import (
     masked_softmax,
     register_mechanism,
 )
+from ..core.draws import generator_states, generators_from
 from ..core.masks import seeded_generator
 from ..core.slicing import over_head_groups
 from ._kmeans import ClusterDraws, cluster_queries, draw_clustering
@@ -53,7 +54,8 @@ class DrawStreams:
     Training: a per-layer stream seeded by (seed, layer_idx), advanced by every call, so each
     step draws afresh (both papers redraw per forward) and a run is reproducible from the
     seed. Eval: a fresh generator seeded by (seed, layer_idx, n) per call, so eval is
-    deterministic. The stream position is not saved with a checkpoint.
+    deterministic. The streams' positions travel with training checkpoints (``state``,
+    ``load_state``; ``core.draws``), so a resumed run draws what the uninterrupted one does.
     """
 
     def __init__(self, seed: int) -> None:
@@ -66,6 +68,21 @@ class DrawStreams:
         if layer_idx not in self._streams:
             self._streams[layer_idx] = seeded_generator(self.seed, layer_idx, 0)
         return self._streams[layer_idx]
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return generator_states(self._streams)
+
+    def load_state(self, state: Mapping[str, torch.Tensor]) -> None:
+        self._streams = generators_from(state)
+
+
+def _draw_state(self) -> dict[str, torch.Tensor]:
+    """``draw_state`` of a mechanism holding ``self.streams`` (``core.draws``)."""
+    return self.streams.state()
+
+
+def _load_draw_state(self, state: Mapping[str, torch.Tensor]) -> None:
+    self.streams.load_state(state)
 
 
 def _work(*ts: torch.Tensor) -> list[torch.Tensor]:
@@ -341,6 +358,8 @@ class Clustered(nn.Module):
         self.cfg, self.dims = cfg, dims
         self.streams = DrawStreams(cfg.seed)
 
+    draw_state, load_draw_state = _draw_state, _load_draw_state
+
     def draws(self, n: int, layer_idx: int, head_dim: int | None = None) -> ClusterDraws:
         """The random draws of a call on n queries in layer ``layer_idx`` (current mode;
         in training each call advances the stream)."""
@@ -375,6 +394,8 @@ class ImprovedClustered(nn.Module):
         super().__init__()
         self.cfg, self.dims = cfg, dims
         self.streams = DrawStreams(cfg.seed)
+
+    draw_state, load_draw_state = _draw_state, _load_draw_state
 
     def draws(self, n: int, layer_idx: int, head_dim: int | None = None) -> ClusterDraws:
         """The random draws of a call on n queries in layer ``layer_idx`` (current mode;
@@ -561,6 +582,8 @@ class ProbSparse(nn.Module):
         super().__init__()
         self.cfg, self.dims = cfg, dims
         self.streams = DrawStreams(cfg.seed)
+
+    draw_state, load_draw_state = _draw_state, _load_draw_state
 
     def sizes(self, n: int, m: int) -> tuple[int, int]:
         """(U sampled keys per query, u active queries) for n queries and m keys."""
