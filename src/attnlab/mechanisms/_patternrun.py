@@ -19,6 +19,7 @@ from ..core import (
     AttnOutput,
     HeadDims,
     MechanismConfig,
+    accumulation_dtype,
     check_qkv,
     reference_attention,
 )
@@ -60,7 +61,16 @@ def run_pattern(mech: Pattern, q, k, v, ctx: AttnContext, fast: FastPath | None)
         )
         return AttnOutput(out)
     if sparse and fast is not None:
-        return AttnOutput(fast(q, k, v, ctx, scale, p))
+        if q.device.type != "cpu":  # CUDA with attention dropout: in the inputs' dtype
+            return AttnOutput(fast(q, k, v, ctx, scale, p))
+        # on the CPU 16-bit inputs run the engines in fp32 (under autocast too) and return
+        # in their dtype: in bf16 the blocked engine's log-sum-exp merges and key-gradient
+        # sums round (bigbird at n = 300: 3.2 bf16 ulps of the output's scale from fp32, the
+        # dense bf16 oracle 1.0), and the CPU flash kernels take fp32 only
+        work = accumulation_dtype(q.dtype)
+        with torch.autocast(q.device.type, enabled=False):
+            out = fast(q.to(work), k.to(work), v.to(work), ctx, scale, p)
+        return AttnOutput(out.to(q.dtype))
     bias = mech.bias(n, m, layer_idx=ctx.layer_idx).to(q.device)  # [1,n,m]
     causal = ctx.causal
     if causal and n != m:

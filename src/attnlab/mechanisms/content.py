@@ -319,8 +319,10 @@ class LSH(nn.Module):
 
         # largest intermediate per head: the window scores [b, r, n, 2C] (and keys [.., 2d])
         per_head = 4 * q.shape[0] * self.cfg.num_hashes * n * 2 * max(self.cfg.chunk, d)
-        return over_head_groups(heads, (q, v), per_head,
-                                per_head=(self.rotations(ctx.layer_idx).to(q.device),))
+        # in fp32 under autocast too: bf16 hash projections move tokens between buckets
+        with torch.autocast(q.device.type, enabled=False):
+            return over_head_groups(heads, (q, v), per_head,
+                                    per_head=(self.rotations(ctx.layer_idx).to(q.device),))
 
 
 # ------------------------------------------------------------------ routing (online k-means)
@@ -536,11 +538,13 @@ class Routing(nn.Module):
         dtype = q.dtype
         work = accumulation_dtype(dtype)
         qw, kw, vw = q.to(work), k.to(work), v.to(work)
-        out, probs = routing_attention(
-            qw, kw, vw, self.centroids.to(work), window=self.cfg.window,
-            key_mask=ctx.key_mask, scale=ctx.scale_for(d), eps=self.cfg.eps,
-            dropout=ctx.dropout, training=self.training, need_weights=ctx.need_weights,
-        )
-        if self.training:
-            self.update_centroids(qw, kw, ctx.key_mask)
+        # in fp32 under autocast too: bf16 similarities change the top-w routes
+        with torch.autocast(q.device.type, enabled=False):
+            out, probs = routing_attention(
+                qw, kw, vw, self.centroids.to(work), window=self.cfg.window,
+                key_mask=ctx.key_mask, scale=ctx.scale_for(d), eps=self.cfg.eps,
+                dropout=ctx.dropout, training=self.training, need_weights=ctx.need_weights,
+            )
+            if self.training:
+                self.update_centroids(qw, kw, ctx.key_mask)
         return AttnOutput(out.to(dtype), None if probs is None else probs.to(dtype))

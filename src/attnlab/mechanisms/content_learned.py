@@ -211,11 +211,13 @@ class SAC(nn.Module):
         dtype = q.dtype
         work = accumulation_dtype(dtype)
         qw, kw, vw = q.to(work), k.to(work), v.to(work)
-        if not ctx.need_weights:
-            return AttnOutput(self.sparse_forward(qw, kw, vw, ctx).to(dtype))
-        out, probs = sac_attention(
-            qw, kw, vw, self.edge_scores(qw, kw), top_k=self.cfg.k, key_mask=ctx.key_mask,
-            causal=ctx.causal, scale=ctx.scale_for(q.shape[3]), dropout=ctx.dropout,
-            training=self.training,
-        )
+        # in fp32 under autocast too: bf16 edge scores change the top-k edges
+        with torch.autocast(q.device.type, enabled=False):
+            if not ctx.need_weights:
+                return AttnOutput(self.sparse_forward(qw, kw, vw, ctx).to(dtype))
+            out, probs = sac_attention(
+                qw, kw, vw, self.edge_scores(qw, kw), top_k=self.cfg.k, key_mask=ctx.key_mask,
+                causal=ctx.causal, scale=ctx.scale_for(q.shape[3]), dropout=ctx.dropout,
+                training=self.training,
+            )
         return AttnOutput(out.to(dtype), probs.to(dtype) if ctx.need_weights else None)

@@ -205,15 +205,21 @@ def nystrom_attention(q, k, v, num_landmarks: int, pinv_iterations: int, scale: 
     scales Z_0 by a maximum over every head and example); the n-sized kernels run a few
     heads at a time (core.slicing), which gives the same result."""
     q, k, ql, kl = _landmarks(q, k, num_landmarks, scale, keep)
-    k2 = torch.softmax(ql @ kl.transpose(-1, -2), dim=-1)  # M [b,h,L,L]
-    # 16-bit inputs: the pseudo-inverse iteration runs in fp32 (float64 stays float64)
-    z = iterative_pinv(k2.to(accumulation_dtype(k2.dtype)), pinv_iterations,
-                       pinv_init).to(k2.dtype)  # [b,h,L,L]
+    # 16-bit inputs: the L-sized part (M, its pseudo-inverse Z and Z's product) runs in fp32,
+    # under autocast too (float64 stays float64): Z amplifies M's rounding, and in bf16 the
+    # gradients of q and k were 4x further from fp32's than with this part in fp32
+    work = accumulation_dtype(q.dtype)
+    with torch.autocast(q.device.type, enabled=False):
+        k2 = torch.softmax(ql.to(work) @ kl.to(work).transpose(-1, -2), dim=-1)  # M [b,h,L,L]
+        z = iterative_pinv(k2, pinv_iterations, pinv_init)  # [b,h,L,L]
 
     def heads(q, k, v, ql, kl, z) -> AttnOutput:
         k1, k3 = _side_kernels(q, k, ql, kl, scale, keep)  # [b,g,n,L], [b,g,L,m]
-        out = k1 @ (z @ (k3 @ v))  # [b,g,L,dv] -> [b,g,L,dv] -> [b,g,n,dv]
-        return AttnOutput(out, (k1 @ z) @ k3 if need_weights else None)
+        kv = k3 @ v  # [b,g,L,dv]
+        with torch.autocast(q.device.type, enabled=False):
+            zkv = (z @ kv.to(z.dtype)).to(k1.dtype)  # [b,g,L,dv]
+        out = k1 @ zkv  # [b,g,n,dv]
+        return AttnOutput(out, (k1 @ z.to(k1.dtype)) @ k3 if need_weights else None)
 
     res = over_head_groups(heads, (q, k, v, ql, kl, z), _bytes_per_head(q, num_landmarks))
     return res.out, res.probs

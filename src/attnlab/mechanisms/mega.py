@@ -303,7 +303,9 @@ class Mega(nn.Module):
         keep = None
         if ctx.key_mask is not None:
             keep = ctx.key_mask.to(device=v.device, dtype=torch.bool).expand(b, n)  # [b,n]
-        x = v.transpose(1, 2).reshape(b, n, h * d)  # X [b,n,D]: the heads merged
+        # X [b,n,D]: the heads merged, in the parameters' dtype (16-bit inputs reach a
+        # float32 module called on its own); the output returns in v's dtype
+        x = v.transpose(1, 2).reshape(b, n, h * d).to(self.value.weight.dtype)
         if keep is not None:
             x = x * keep[..., None].to(x.dtype)  # padded positions zeroed (official)
         xe = _drop(self.ema(x, keep, ctx.causal), self.cfg.dropout, self.training)  # X' (eq. 6)
@@ -324,10 +326,10 @@ class Mega(nn.Module):
             y = self._gated_output(x, xe, o)  # Y [b,n,D]
         if keep is not None:
             y = y * keep[..., None].to(y.dtype)  # padded positions give 0
-        out = y.view(b, n, h, d).transpose(1, 2)  # [b,h,n,d]
+        out = y.view(b, n, h, d).transpose(1, 2).to(v.dtype)  # [b,h,n,d]
         probs = None
         if ctx.need_weights:
-            probs = self._dense_map(weights, n, keep)[:, None].expand(b, h, n, n)
+            probs = self._dense_map(weights, n, keep)[:, None].expand(b, h, n, n).to(v.dtype)
         return AttnOutput(out, probs)
 
     @staticmethod

@@ -324,15 +324,19 @@ class Average(nn.Module):
         # g and the FFN on one row per sequence when every row's average is the same
         # (bidirectional fast path), broadcast over the rows only where they meet v
         g = avg.to(v.dtype)  # [b,h,n|1,d]
+        # the parameters in v's dtype: 16-bit inputs reach a float32 module called on its
+        # own (or under autocast), and the output keeps the input's dtype
+        dt = v.dtype
         if self.ffn_w1 is not None:
             # all four FFN tensors exist iff cfg.ffn
             assert self.ffn_b1 is not None and self.ffn_w2 is not None
             assert self.ffn_b2 is not None
-            hid = torch.relu(g @ self.ffn_w1 + self.ffn_b1[:, None])  # [b,h,n|1,f]
-            g = hid @ self.ffn_w2 + self.ffn_b2[:, None]  # [b,h,n|1,d]
+            hid = torch.relu(g @ self.ffn_w1.to(dt) + self.ffn_b1.to(dt)[:, None])  # [b,h,n|1,f]
+            g = hid @ self.ffn_w2.to(dt) + self.ffn_b2.to(dt)[:, None]  # [b,h,n|1,d]
         # [v; g] W_g = v W_g[:d] + g W_g[d:] (eq. 3): no [b,h,n,2d] concatenation
-        g_part = g @ self.gate_w[:, d:] + self.gate_b[:, None]  # [b,h,n|1,2d]
-        gates = torch.sigmoid(v @ self.gate_w[:, :d] + g_part)  # [b,h,n,2d]
+        gate_w = self.gate_w.to(dt)  # W_g [h,2d,2d]
+        g_part = g @ gate_w[:, d:] + self.gate_b.to(dt)[:, None]  # [b,h,n|1,2d]
+        gates = torch.sigmoid(v @ gate_w[:, :d] + g_part)  # [b,h,n,2d]
         i_gate, f_gate = gates.chunk(2, dim=-1)  # [b,h,n,d] each
         out = (i_gate * v + f_gate * g) * live.expand(b, 1, n, 1).to(v.dtype)  # [b,h,n,d]
         probs = None
@@ -466,6 +470,9 @@ class Synthesizer(nn.Module):
         of query rows, q holds rows first_row .. first_row + n - 1 (their rows of S)."""
         n = q.shape[-2]
         if self.cfg.kind == "dense":
+            # in the parameters' dtype (float32 for 16-bit inputs to a float32 module, as the
+            # random tables); the caller casts S to q's dtype
+            q = q.to(self.w1.dtype)
             hid = torch.relu(q @ self.w1 + self.b1[:, None])  # [b,h,n,f]
             outs = [hid @ w + bias[:, None]
                     for w, bias in zip(self.heads_w, self.heads_b, strict=True)]

@@ -321,7 +321,10 @@ def _clustered_forward(
     per_head = b * max(n, k.shape[2]) * max(cfg.clusters, cfg.bits) * 4
     if isinstance(cfg, ImprovedClusteredConfig):  # + the gathered top keys [b,n,k,d]
         per_head = max(per_head, b * n * min(cfg.topk, k.shape[2]) * d * 4)
-    res = over_head_groups(heads, (qw, kw, vw), per_head)
+    # in fp32 under autocast too: bf16 hash projections and centroid scores change the
+    # clusters and top keys
+    with torch.autocast(q.device.type, enabled=False):
+        res = over_head_groups(heads, (qw, kw, vw), per_head)
     out, probs = res.out, res.probs
     return AttnOutput(out.to(dtype), None if probs is None else probs.to(dtype))
 
@@ -615,9 +618,11 @@ class ProbSparse(nn.Module):
         qw, kw, vw = _work(q, k, v)
         samples, active = (None, self.sizes(n, m)[1]) if ctx.key_mask is None else (
             self.row_sizes(q.shape[0], n, m, ctx.key_mask, q.device))
-        out, probs = probsparse_attention(
-            qw, kw, vw, self.draws(n, m, ctx.layer_idx), active=active, samples=samples,
-            key_mask=ctx.key_mask, scale=ctx.scale_for(d), dropout=ctx.dropout,
-            training=self.training, need_weights=ctx.need_weights,
-        )
+        # in fp32 under autocast too: a bf16 sparsity measure changes the top-u queries
+        with torch.autocast(q.device.type, enabled=False):
+            out, probs = probsparse_attention(
+                qw, kw, vw, self.draws(n, m, ctx.layer_idx), active=active, samples=samples,
+                key_mask=ctx.key_mask, scale=ctx.scale_for(d), dropout=ctx.dropout,
+                training=self.training, need_weights=ctx.need_weights,
+            )
         return AttnOutput(out.to(dtype), None if probs is None else probs.to(dtype))
