@@ -139,7 +139,7 @@ def test_resume_refuses_another_chunk_size(tmp_path, monkeypatch):
         is_main_process = True
 
     log = MetricsLog(tmp_path / "metrics.jsonl", True)
-    fresh = start_state(_Acc(), None, tmp_path, log, False, 10)
+    fresh = start_state(_Acc(), tmp_path, log, False, 10)
     assert fresh.chunk_elems == chunk_elems()
     ckpt = tmp_path / "step-00000001"
     ckpt.mkdir()
@@ -156,11 +156,12 @@ def test_resume_refuses_another_chunk_size(tmp_path, monkeypatch):
                                   "clustered(clusters=2, bits=4, iterations=2)",
                                   "jat(variant='probsparse')"])
 def test_mechanisms_own_random_streams_resume_where_they_stood(tmp_path, spec):
-    """Mechanisms that draw afresh at every training forward from generators of their own
-    (performer's features, probsparse's samples, the clustered hashes, JAT's probsparse
-    variant): the checkpoint carries where the streams stand (``core.draws``), so the resumed
-    run draws what the uninterrupted one draws (before: performer 2.5e-3, probsparse 2.1e-3
-    from the uninterrupted weights)."""
+    """Mechanisms that draw afresh at every training forward (performer's features,
+    probsparse's samples, the clustered hashes, JAT's probsparse variant) draw through the
+    global RNG (``core.masks.training_generator``), which the checkpoint restores, so the
+    resumed run draws what the uninterrupted one draws (with generators of their own,
+    restarted on resume: performer 2.5e-3, probsparse 2.1e-3 from the uninterrupted
+    weights)."""
     base = [x for x in BASE if not x.startswith("train.grad_accum")] + [f"plan=all:all:{spec}"]
 
     def run(name, **kw):
@@ -175,30 +176,4 @@ def test_mechanisms_own_random_streams_resume_where_they_stood(tmp_path, spec):
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0)
-
-
-def test_draw_states_round_trip_and_refuse_another_model():
-    import attnlab
-    from attnlab.core.draws import draw_states, load_draw_states
-
-    dims = attnlab.HeadDims(num_heads=2, head_dim=8, max_len=32)
-    model = torch.nn.ModuleDict({"p": attnlab.build_mechanism("performer(num_features=4)", dims),
-                                 "s": attnlab.build_mechanism("probsparse", dims),
-                                 "plain": attnlab.build_mechanism("softmax", dims)}).train()
-    q = torch.randn(1, 2, 16, 8)
-    for _ in range(3):  # advance both streams
-        for name in ("p", "s"):
-            model[name](q, q, q, attnlab.AttnContext(layer_idx=1))
-    saved = draw_states(model)
-    assert set(saved) == {"p", "s"} and saved["p"] == {"draws": 3}
-    after = [model[n](q, q, q, attnlab.AttnContext(layer_idx=1)).out for n in ("p", "s")]
-    fresh = torch.nn.ModuleDict({"p": attnlab.build_mechanism("performer(num_features=4)", dims),
-                                 "s": attnlab.build_mechanism("probsparse", dims),
-                                 "plain": attnlab.build_mechanism("softmax", dims)}).train()
-    load_draw_states(fresh, saved)
-    again = [fresh[n](q, q, q, attnlab.AttnContext(layer_idx=1)).out for n in ("p", "s")]
-    for x, y in zip(after, again, strict=True):
-        assert torch.equal(x, y)
-    with pytest.raises(ValueError, match="module 'plain'.*another model"):
-        load_draw_states(fresh, {"plain": {"draws": 1}})
 

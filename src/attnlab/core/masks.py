@@ -74,6 +74,19 @@ def seeded_generator(seed: int, layer_idx: int, n: int) -> torch.Generator:
     return torch.Generator().manual_seed(mixed)
 
 
+def training_generator(seed: int, layer_idx: int) -> torch.Generator:
+    """CPU generator of one training call of a mechanism that draws afresh at every
+    training forward: seeded by (seed, layer_idx) and one draw from the global CPU RNG.
+
+    Through that draw the run's seed (``torch.manual_seed``) fixes every call's draws;
+    gradient checkpointing, which restores the global RNG before it recomputes a layer,
+    recomputes the forward's draws; and a resumed run, whose checkpoint restores the
+    global RNG, continues them as the uninterrupted run does. (Generators of the
+    mechanism's own would need all three handled apart.)"""
+    fresh = int(torch.randint(0, 2**62, ()).item())
+    return seeded_generator(seed, layer_idx, fresh)
+
+
 _DRAW_ROWS = 256  # rows of uniform draws at a time: no [n, m] float tensor is built
 
 

@@ -26,7 +26,7 @@ from ..core import (
     check_qkv,
     register_mechanism,
 )
-from ..core.draws import generator_states, generators_from
+from ..core.masks import training_generator
 from ..core.reference import masked_softmax
 from ._jat_adjacency import (
     jump_counts,
@@ -257,12 +257,10 @@ def probsparse_sizes(n: int, factor: int) -> tuple[int, int]:
     return size, size
 
 
-def probsparse_generator(seed: int, layer_idx: int, n: int | None = None) -> torch.Generator:
-    """CPU generator seeded by the first 63 bits of sha256("jat:{seed}:{layer_idx}:{n}").
-
-    n=None gives the training stream of a layer; an int gives the fixed eval generator.
-    """
-    text = f"jat:{seed}:{layer_idx}:{'' if n is None else n}".encode()
+def probsparse_generator(seed: int, layer_idx: int, n: int) -> torch.Generator:
+    """The fixed eval generator of a layer at length n: CPU, seeded by the first 63 bits of
+    sha256("jat:{seed}:{layer_idx}:{n}")."""
+    text = f"jat:{seed}:{layer_idx}:{n}".encode()
     value = int.from_bytes(hashlib.sha256(text).digest()[:8], "big") >> 1
     return torch.Generator().manual_seed(value)
 
@@ -350,10 +348,12 @@ class JumpSelfAttention(nn.Module):
     ``variant="probsparse"`` (official ``prob_attn``, after Informer): steps 1-5 run on the
     u x u block of the top-u queries by M(q) = max_s q.k_s - (1/n) sum_s q.k_s over
     U = min(factor ceil(ln n), n) keys s sampled per query (with replacement, one draw
-    shared by batch and heads), and J is S with that block replaced. Sampling: training
-    draws from a per-layer stream seeded by (seed, layer_idx); eval uses a fresh generator
-    seeded by (seed, layer_idx, n), so eval is deterministic (``sample_in_eval=True`` keeps
-    drawing from the stream at eval, as the official code does; not deterministic).
+    shared by batch and heads), and J is S with that block replaced. Sampling: each training
+    call draws afresh from a generator seeded by (seed, layer_idx) and the global RNG
+    (``core.masks.training_generator``: reproducible from the run's seed, alike under
+    gradient checkpointing and on resume); eval uses a generator seeded by (seed,
+    layer_idx, n), so eval is deterministic (``sample_in_eval=True`` keeps drawing afresh
+    at eval, as the official code does; not deterministic).
 
     Complexity: the official code materialises B as [b, h, n, n, n]. Here A is exact (the
     same integer counts, tested bit for bit) in O(n^2 + P) time when links are sparse, P
@@ -408,23 +408,13 @@ class JumpSelfAttention(nn.Module):
     def __init__(self, cfg: JATConfig, dims: HeadDims) -> None:
         super().__init__()
         self.cfg, self.dims = cfg, dims
-        self._streams: dict[int, torch.Generator] = {}  # probsparse training streams
         self.softmax = Softmax(SoftmaxConfig(), dims)  # no parameters: SDPA of the heads
-
-    def draw_state(self) -> dict[str, torch.Tensor]:
-        """The probsparse training streams, carried by checkpoints (``core.draws``)."""
-        return generator_states(self._streams)
-
-    def load_draw_state(self, state: dict[str, torch.Tensor]) -> None:
-        self._streams = generators_from(state)
 
     def sample(self, n: int, layer_idx: int) -> torch.Tensor:
         """The probsparse key sample [n, U] this module uses for a call in its current mode."""
         num, _ = probsparse_sizes(n, self.cfg.factor)
         if self.training or self.cfg.sample_in_eval:
-            if layer_idx not in self._streams:
-                self._streams[layer_idx] = probsparse_generator(self.cfg.seed, layer_idx)
-            gen = self._streams[layer_idx]
+            gen = training_generator(self.cfg.seed, layer_idx)  # fresh, via the global RNG
         else:
             gen = probsparse_generator(self.cfg.seed, layer_idx, n)
         return probsparse_sample(n, num, gen)

@@ -450,7 +450,8 @@ def favor_causal_key_features(x: torch.Tensor, w: torch.Tensor,
 
 
 def _mix_seed(seed: int, layer_idx: int, draw: int) -> int:
-    # one 63-bit seed per (seed, layer, draw); distinct triples give distinct generators
+    # one 63-bit seed per (seed, layer, draw); distinct draws of one (seed, layer) give
+    # distinct generators
     return ((seed * 1_000_003 + layer_idx) * 1_000_003 + draw) % (2**63)
 
 
@@ -465,9 +466,12 @@ class Performer(nn.Module):
     E[phi(q)^T phi(k)] = exp(s q^T k), the softmax kernel;
     out_i = phi(q_i)^T (sum_j phi(k_j) v_j^T) / (phi(q_i)^T sum_j phi(k_j)),
     sums over j <= i (prefix sums) when causal. Complexity O(n*m*d) time, O(m*d) state.
-    Randomness: W is drawn from ``seed`` and ``ctx.layer_idx``; eval mode (and
-    ``redraw='fixed'``) always uses draw 0, so it is deterministic; ``redraw='every_forward'``
-    draws a fresh W (draw 1, 2, ...) at each training forward, as the paper recommends.
+    Randomness: W is drawn from ``seed``, ``ctx.layer_idx`` and a draw number; eval mode
+    (and ``redraw='fixed'``) always uses draw 0, so it is deterministic;
+    ``redraw='every_forward'`` draws a fresh W at each training forward, as the paper
+    recommends, its draw number taken from the global RNG (``last_draw``): reproducible from
+    the run's seed, the same W when gradient checkpointing recomputes the forward, and on
+    resume the draws of the uninterrupted run.
     Deviations / notes: the stabilising max is taken of the whole exponent (w^T x - |x|^2/2)
     rather than of w^T x alone, so the largest feature is exactly 1/sqrt(m); the paper's
     code also adds 1e-6 to every feature, which would stop the key max from cancelling
@@ -491,15 +495,8 @@ class Performer(nn.Module):
     def __init__(self, cfg: PerformerConfig, dims: HeadDims) -> None:
         super().__init__()
         self.cfg, self.dims = cfg, dims
-        self.draws = 0  # training forwards that drew a fresh W (redraw="every_forward")
+        self.last_draw = 0  # the draw of the latest forward (0: the eval features)
         self._fixed: dict[tuple[int, torch.device, torch.dtype], torch.Tensor] = {}
-
-    def draw_state(self) -> dict[str, int]:
-        """The training draw count, carried by checkpoints (``core.draws``)."""
-        return {"draws": self.draws}
-
-    def load_draw_state(self, state: dict[str, int]) -> None:
-        self.draws = int(state["draws"])
 
     def projection(self, layer_idx: int, draw: int = 0, device: torch.device | None = None,
                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -512,8 +509,11 @@ class Performer(nn.Module):
     def _current_projection(self, layer_idx: int, device: torch.device,
                             dtype: torch.dtype) -> torch.Tensor:
         if self.training and self.cfg.redraw == "every_forward":
-            self.draws += 1
-            return self.projection(layer_idx, self.draws, device, dtype)
+            # a fresh draw >= 1 from the global RNG: fixed by the run's seed, recomputed
+            # alike under gradient checkpointing, continued alike on resume
+            self.last_draw = 1 + int(torch.randint(0, 2**62, ()).item())
+            return self.projection(layer_idx, self.last_draw, device, dtype)
+        self.last_draw = 0
         key = (layer_idx, device, dtype)
         if key not in self._fixed:
             self._fixed[key] = self.projection(layer_idx, 0, device, dtype)

@@ -13,7 +13,7 @@ C clusters, B hash bits, T Lloyd iterations, k top keys, U sampled keys, u activ
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import ClassVar, Protocol
@@ -33,8 +33,7 @@ from ..core import (
     masked_softmax,
     register_mechanism,
 )
-from ..core.draws import generator_states, generators_from
-from ..core.masks import seeded_generator
+from ..core.masks import seeded_generator, training_generator
 from ..core.slicing import over_head_groups
 from ._kmeans import ClusterDraws, cluster_queries, draw_clustering
 from ._maskedsdpa import masked_sdpa
@@ -51,38 +50,20 @@ DRAW_RANGE = 2**31  # probsparse draws r are uniform integers in [0, 2^31)
 class DrawStreams:
     """Where a mechanism's random draws come from (seed, layer_idx).
 
-    Training: a per-layer stream seeded by (seed, layer_idx), advanced by every call, so each
-    step draws afresh (both papers redraw per forward) and a run is reproducible from the
-    seed. Eval: a fresh generator seeded by (seed, layer_idx, n) per call, so eval is
-    deterministic. The streams' positions travel with training checkpoints (``state``,
-    ``load_state``; ``core.draws``), so a resumed run draws what the uninterrupted one does.
+    Training: each call draws afresh (both papers redraw per forward) from a generator
+    seeded by (seed, layer_idx) and one draw from the global RNG (``training_generator``),
+    so a run is reproducible from its seed, gradient checkpointing recomputes the same
+    draws, and a resumed run continues them. Eval: a generator seeded by (seed, layer_idx,
+    n) per call, so eval is deterministic.
     """
 
     def __init__(self, seed: int) -> None:
         self.seed = seed
-        self._streams: dict[int, torch.Generator] = {}
 
     def generator(self, layer_idx: int, n: int, training: bool) -> torch.Generator:
         if not training:
             return seeded_generator(self.seed, layer_idx, n)
-        if layer_idx not in self._streams:
-            self._streams[layer_idx] = seeded_generator(self.seed, layer_idx, 0)
-        return self._streams[layer_idx]
-
-    def state(self) -> dict[str, torch.Tensor]:
-        return generator_states(self._streams)
-
-    def load_state(self, state: Mapping[str, torch.Tensor]) -> None:
-        self._streams = generators_from(state)
-
-
-def _draw_state(self) -> dict[str, torch.Tensor]:
-    """``draw_state`` of a mechanism holding ``self.streams`` (``core.draws``)."""
-    return self.streams.state()
-
-
-def _load_draw_state(self, state: Mapping[str, torch.Tensor]) -> None:
-    self.streams.load_state(state)
+        return training_generator(self.seed, layer_idx)
 
 
 def _work(*ts: torch.Tensor) -> list[torch.Tensor]:
@@ -361,8 +342,6 @@ class Clustered(nn.Module):
         self.cfg, self.dims = cfg, dims
         self.streams = DrawStreams(cfg.seed)
 
-    draw_state, load_draw_state = _draw_state, _load_draw_state
-
     def draws(self, n: int, layer_idx: int, head_dim: int | None = None) -> ClusterDraws:
         """The random draws of a call on n queries in layer ``layer_idx`` (current mode;
         in training each call advances the stream)."""
@@ -397,8 +376,6 @@ class ImprovedClustered(nn.Module):
         super().__init__()
         self.cfg, self.dims = cfg, dims
         self.streams = DrawStreams(cfg.seed)
-
-    draw_state, load_draw_state = _draw_state, _load_draw_state
 
     def draws(self, n: int, layer_idx: int, head_dim: int | None = None) -> ClusterDraws:
         """The random draws of a call on n queries in layer ``layer_idx`` (current mode;
@@ -585,8 +562,6 @@ class ProbSparse(nn.Module):
         super().__init__()
         self.cfg, self.dims = cfg, dims
         self.streams = DrawStreams(cfg.seed)
-
-    draw_state, load_draw_state = _draw_state, _load_draw_state
 
     def sizes(self, n: int, m: int) -> tuple[int, int]:
         """(U sampled keys per query, u active queries) for n queries and m keys."""

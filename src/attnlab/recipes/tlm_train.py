@@ -252,8 +252,7 @@ def train_stage1(parts: Stage1Parts, settings: Stage1Settings, accelerator, run_
     accelerator.register_for_checkpointing(parts.scheduler)
     rank, world = accelerator.process_index, accelerator.num_processes
     log = MetricsLog(run_dir / "metrics.jsonl", accelerator.is_main_process)
-    state = start_state(accelerator, model, run_dir, log, resume, settings.steps,
-                        what="stage 1 ")
+    state = start_state(accelerator, run_dir, log, resume, settings.steps, what="stage 1 ")
     bs = settings.batch_size
     task = _Stream(len(parts.task_features), bs, settings.seed, rank, world)
     ext = (None if parts.external_features is None else
@@ -297,7 +296,7 @@ def train_stage1(parts: Stage1Parts, settings: Stage1Settings, accelerator, run_
             model.train()
         cut = stop_after is not None and state.step >= stop_after
         if state.step % settings.save_every == 0 or last or cut:
-            save_checkpoint(accelerator, model, run_dir, state)
+            save_checkpoint(accelerator, run_dir, state)
         if cut:
             break
     bar.close()

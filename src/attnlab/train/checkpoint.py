@@ -2,9 +2,7 @@
 
 A checkpoint is a folder ``<run>/checkpoints/step-<N>/`` written by Accelerate's
 ``save_state`` (model weights as safetensors, optimizer, scheduler and every RNG state)
-plus ``trainer_state.json`` (step, epoch, position in the epoch, best metric, history) and,
-when the model has mechanisms with random streams of their own, ``mechanism_draws.pt``
-(where those streams stand: ``core.draws``).
+plus ``trainer_state.json`` (step, epoch, position in the epoch, best metric, history).
 It is written into a temporary sibling folder and renamed into place, so an interrupted
 save never leaves a half-written checkpoint that ``--resume`` would pick up.
 """
@@ -18,13 +16,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from ..core.draws import draw_states, load_draw_states
 from ..io import write_json
 
 STATE_FILE = "trainer_state.json"
-DRAWS_FILE = "mechanism_draws.pt"
 
 
 @dataclass
@@ -52,10 +46,8 @@ def checkpoint_dir(run_dir: Path, step: int) -> Path:
     return run_dir / "checkpoints" / f"step-{step:08d}"
 
 
-def save_checkpoint(accelerator, model, run_dir: Path, state: TrainerState, keep: int = 1
-                    ) -> Path:
-    """Save model/optimizer/scheduler/RNG + trainer state and ``model``'s mechanism streams
-    atomically; keep the newest ``keep``."""
+def save_checkpoint(accelerator, run_dir: Path, state: TrainerState, keep: int = 1) -> Path:
+    """Save model/optimizer/scheduler/RNG + trainer state atomically; keep the newest ``keep``."""
     final = checkpoint_dir(run_dir, state.step)
     tmp = final.with_name(f".{final.name}.tmp")
     if accelerator.is_main_process and tmp.exists():
@@ -64,9 +56,6 @@ def save_checkpoint(accelerator, model, run_dir: Path, state: TrainerState, keep
     accelerator.save_state(str(tmp), safe_serialization=True)
     if accelerator.is_main_process:
         write_json(tmp / STATE_FILE, asdict(state))
-        draws = draw_states(accelerator.unwrap_model(model))
-        if draws:
-            torch.save(draws, tmp / DRAWS_FILE)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -84,18 +73,14 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     return sorted(p for p in root.glob("step-*") if (p / STATE_FILE).is_file())
 
 
-def load_checkpoint(accelerator, model, path: Path) -> TrainerState:
-    """Restore model/optimizer/scheduler/RNG and ``model``'s mechanism streams from
-    ``path``; return its trainer state.
+def load_checkpoint(accelerator, path: Path) -> TrainerState:
+    """Restore model/optimizer/scheduler/RNG from ``path``; return its trainer state.
 
     Refuses (``ConfigError``) a checkpoint taken with another ``ATTNLAB_CHUNK_ELEMS``: the
     run would go on with other dropout masks and not reach the uninterrupted result."""
     state = TrainerState(**json.loads((path / STATE_FILE).read_text()))
     check_chunking(state, path)
     accelerator.load_state(str(path))
-    if (path / DRAWS_FILE).is_file():
-        load_draw_states(accelerator.unwrap_model(model),
-                         torch.load(path / DRAWS_FILE, weights_only=True))
     return state
 
 

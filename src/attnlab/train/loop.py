@@ -187,7 +187,7 @@ def fit(parts: LoopParts, settings: LoopSettings, plan: StepPlan, accelerator,
     trainable = [p for p in model.parameters() if p.requires_grad]
     rank, world = accelerator.process_index, accelerator.num_processes
     log = MetricsLog(run_dir / "metrics.jsonl", accelerator.is_main_process)
-    state = start_state(accelerator, model, run_dir, log, resume, plan.total)
+    state = start_state(accelerator, run_dir, log, resume, plan.total)
     bar = _progress_bar(settings.name, plan.total, state.step, accelerator)
     model.train()
     stop = _patience_spent(settings, state)  # a run that stopped early stays stopped on resume
@@ -230,7 +230,7 @@ def fit(parts: LoopParts, settings: LoopSettings, plan: StepPlan, accelerator,
                 t_start = time.perf_counter()
                 model.train()
             if state.step % plan.save_every == 0 or state.step == plan.total or stop:
-                save_checkpoint(accelerator, model, run_dir, state)
+                save_checkpoint(accelerator, run_dir, state)
             if stop_after is not None and state.step >= stop_after:
                 bar.close()
                 return state
@@ -286,13 +286,13 @@ def _micro_step(parts: LoopParts, model, accelerator, indices: list[int], n_acc:
     return loss.detach().float().item() / n_acc, aux
 
 
-def start_state(accelerator, model, run_dir: Path, log: MetricsLog, resume: bool, total: int,
+def start_state(accelerator, run_dir: Path, log: MetricsLog, resume: bool, total: int,
                 what: str = "") -> TrainerState:
     """The state to start from: the last checkpoint (``resume``), or a fresh one, in which
     case nothing of an older run in the folder survives. ``what`` names the stage in the
     resume message (e.g. "stage 1 ")."""
     if resume and (ckpts := list_checkpoints(run_dir)):
-        state = load_checkpoint(accelerator, model, ckpts[-1])
+        state = load_checkpoint(accelerator, ckpts[-1])
         log.truncate_after(state.step)
         accelerator.print(f"resumed {what}from {ckpts[-1]} (step {state.step}/{total})")
         return state

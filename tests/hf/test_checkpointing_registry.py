@@ -1,0 +1,54 @@
+"""Every registered mechanism trains alike under Hugging Face gradient checkpointing.
+
+Checkpointing recomputes each layer's forward during the backward. A mechanism whose
+training forward draws afresh (performer's features, probsparse's key samples, the
+clustered hashes, JAT's probsparse variant, attention dropout) must draw in the
+recomputation what it drew in the forward, or the gradients belong to another function
+than the loss: those draws go through the global RNG, which checkpointing restores before
+it recomputes (``core.masks.training_generator``). Cross-layer state has its own replay
+(``hf.backend.Replay``; tests/mechanisms/test_priors_layers.py).
+
+Each mechanism's ``example`` spec on every head of a tiny BertForSequenceClassification
+(3 layers, 4 heads of 8, attention dropout 0.1 so that dropout draws too), one training
+forward and backward with and without checkpointing from the same global RNG state:
+parameter gradients equal to 1e-6 (fp32 rounding of the same computation; before the draws
+went through the global RNG, performer and probsparse differed by as much as a fresh draw).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_tiny_bert
+
+import attnlab
+from attnlab.core import mechanism_class
+from attnlab.hf import apply_plan
+
+pytestmark = [pytest.mark.usefixtures("one_thread"),
+              pytest.mark.filterwarnings("ignore:.*use_cache.*"),
+              pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated")]
+
+NAMES = attnlab.list_mechanisms()
+TIGHT = {"atol": 1e-6, "rtol": 1e-6}
+
+
+def _grads(name: str, batch, checkpointing: bool) -> dict[str, torch.Tensor]:
+    model = make_tiny_bert("BertForSequenceClassification", num_labels=2,
+                           attention_probs_dropout_prob=0.1)
+    apply_plan(model, f"all:all:{mechanism_class(name).example}", max_len=16)
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+    model.train()
+    torch.manual_seed(7)
+    model(**batch, labels=torch.tensor([0, 1, 1])).loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_checkpointed_gradients_equal_the_plain_ones(name, padded_batch):
+    plain = _grads(name, padded_batch, checkpointing=False)
+    ckpt = _grads(name, padded_batch, checkpointing=True)
+    assert plain.keys() == ckpt.keys() and plain
+    for n in plain:
+        torch.testing.assert_close(ckpt[n], plain[n], **TIGHT, msg=n)
