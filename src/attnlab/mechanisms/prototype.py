@@ -242,17 +242,18 @@ _CLUSTERED_NOTES = """
     per (batch row, head) and takes no gradient; the centroids Q_c = mean of the member
     queries do (gradient flows to every member, as the official ``_GroupQueries``).
     Randomness (hyperplanes, initial centroids, empty-cluster codes): one draw per call,
-    shared by the batch rows and heads, seeded by (seed, layer_idx): in training a per-layer
-    stream redrawn every call (the official code redraws every forward), in eval a fixed draw
-    per (seed, layer_idx, n), so eval is deterministic. ``draws(n, layer_idx)`` returns the
-    draw a call would use and ``cluster_queries`` the assignment.
+    shared by the batch rows and heads, seeded by (seed, layer_idx): in training redrawn every
+    call through the global RNG (``DrawStreams``; the official code redraws every forward),
+    in eval a fixed draw per (seed, layer_idx, n), so eval is deterministic.
+    ``draws(n, layer_idx)`` returns the draw a call would use and ``cluster_queries`` the
+    assignment.
     Padding: padded keys get zero weight; padded queries (self-attention, n == m) neither seed,
     join, vote nor count in any cluster (official: query lengths) and output zeros. The eval draw is
     the padded length's, so a padded row clusters unlike its sequence alone.
     Deviations: a row with at most C real queries puts each in its own cluster (the official
     initialisation with every query almost always does; equal codes would merge), so C >= n is
     exactly softmax; initial centroids are C distinct *real* queries (official: positions drawn
-    over the padded length); empty clusters draw from the seeded stream (official: an unseeded
+    over the padded length); empty clusters draw from the seeded draw (official: an unseeded
     C++ PRNG); codes are 0/1 tensors with a matmul Hamming distance, so B is not capped at 63.
     Not causal (caps.causal_ok=False): {causal}.
     16-bit inputs are computed in fp32. ``need_weights`` returns the effective weights
@@ -344,7 +345,7 @@ class Clustered(nn.Module):
 
     def draws(self, n: int, layer_idx: int, head_dim: int | None = None) -> ClusterDraws:
         """The random draws of a call on n queries in layer ``layer_idx`` (current mode;
-        in training each call advances the stream)."""
+        in training each call draws afresh, through the global RNG)."""
         return _draws(self, n, layer_idx, head_dim)
 
     def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
@@ -379,7 +380,7 @@ class ImprovedClustered(nn.Module):
 
     def draws(self, n: int, layer_idx: int, head_dim: int | None = None) -> ClusterDraws:
         """The random draws of a call on n queries in layer ``layer_idx`` (current mode;
-        in training each call advances the stream)."""
+        in training each call draws afresh, through the global RNG)."""
         return _draws(self, n, layer_idx, head_dim)
 
     def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
@@ -528,8 +529,8 @@ class ProbSparse(nn.Module):
     others ("lazy") the mean of V. ceil(ln .) as the official ``np.ceil(np.log(L))``; sizes
     from ``jat.probsparse_sizes`` (the same rule). Large c (u = n) is exactly softmax.
     Complexity O(n*U*d + u*m*d) time, O(n*U + u*m) memory (the measure runs in query chunks).
-    Randomness: training draws from a per-layer stream seeded by (seed, layer_idx), fresh
-    every call (the official code redraws every call, eval too); eval uses a fixed draw per
+    Randomness: training draws afresh every call from (seed, layer_idx) and the global RNG
+    (``DrawStreams``; the official code redraws every call, eval too); eval uses a fixed draw per
     (seed, layer_idx, n), so it is deterministic. ``draws(n, m, layer_idx)`` returns it,
     ``probsparse_keys`` maps it to key indices.
     Padding: a row has its unpadded sequence's sizes (official: no padding): U_b samples (the first
