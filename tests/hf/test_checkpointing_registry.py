@@ -11,8 +11,9 @@ it recomputes (``core.masks.training_generator``). Cross-layer state has its own
 Each mechanism's ``example`` spec on every head of a tiny BertForSequenceClassification
 (3 layers, 4 heads of 8, attention dropout 0.1 so that dropout draws too), one training
 forward and backward with and without checkpointing from the same global RNG state:
-parameter gradients equal to 1e-6 (fp32 rounding of the same computation; before the draws
-went through the global RNG, performer and probsparse differed by as much as a fresh draw).
+parameter gradients and buffers equal to 1e-6 (fp32 rounding of the same computation;
+before the draws went through the global RNG, performer and probsparse differed by as much
+as a fresh draw, and routing's centroids were stepped twice).
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ NAMES = attnlab.list_mechanisms()
 TIGHT = {"atol": 1e-6, "rtol": 1e-6}
 
 
-def _grads(name: str, batch, checkpointing: bool) -> dict[str, torch.Tensor]:
+def _step(name: str, batch, checkpointing: bool
+          ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(parameter gradients, buffers) after one training forward and backward."""
     model = make_tiny_bert("BertForSequenceClassification", num_labels=2,
                            attention_probs_dropout_prob=0.1)
     apply_plan(model, f"all:all:{mechanism_class(name).example}", max_len=16)
@@ -42,13 +45,19 @@ def _grads(name: str, batch, checkpointing: bool) -> dict[str, torch.Tensor]:
     model.train()
     torch.manual_seed(7)
     model(**batch, labels=torch.tensor([0, 1, 1])).loss.backward()
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return ({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+            {n: b.clone() for n, b in model.named_buffers()})
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_checkpointed_gradients_equal_the_plain_ones(name, padded_batch):
-    plain = _grads(name, padded_batch, checkpointing=False)
-    ckpt = _grads(name, padded_batch, checkpointing=True)
+def test_checkpointed_step_equals_the_plain_one(name, padded_batch):
+    """Gradients to 1e-6, and state updated in training (routing's centroids: stepped once,
+    not again by the recomputation) equal."""
+    plain, plain_buffers = _step(name, padded_batch, checkpointing=False)
+    ckpt, ckpt_buffers = _step(name, padded_batch, checkpointing=True)
     assert plain.keys() == ckpt.keys() and plain
     for n in plain:
         torch.testing.assert_close(ckpt[n], plain[n], **TIGHT, msg=n)
+    assert plain_buffers.keys() == ckpt_buffers.keys()
+    for n in plain_buffers:
+        torch.testing.assert_close(ckpt_buffers[n], plain_buffers[n], **TIGHT, msg=n)

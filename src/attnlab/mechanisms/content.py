@@ -473,9 +473,10 @@ class Routing(nn.Module):
     kept by none outputs zeros (its residual stream passes unchanged), never NaN.
     Training (train mode only): after the forward, each unpadded q^ and k^ joins its nearest
     centroid (argmax x^ . mu_c), and mu_c <- normalise(lambda mu_c + (1 - lambda) mean of its
-    members) (clusters with no member keep mu_c); eval mode never updates, so it is
-    deterministic. The centroids are a buffer [h, k, d] (saved with the model, no gradient),
-    initialised from a generator seeded by ``seed``.
+    members) (clusters with no member keep mu_c), applied when the backward reaches q (at
+    once without one), so gradient checkpointing neither re-steps nor re-routes; eval mode
+    never updates, so it is deterministic. The centroids are a buffer [h, k, d] (saved with
+    the model, no gradient), initialised from a generator seeded by ``seed``.
     Complexity O(n*k*d + k*w^2*d) time (+ O(n log n) top-w), O(k*w^2) memory.
     Padding: padded keys rank last in every cluster and are never attended (so are padded
     queries when n == m); with window = 0 a padded row keeps w_b = ceil(L_b / k) per cluster,
@@ -504,10 +505,11 @@ class Routing(nn.Module):
         self.register_buffer("centroids", routing_centroids(cfg, dims.num_heads, dims.head_dim))
 
     @torch.no_grad()
-    def update_centroids(
+    def next_centroids(
         self, q: torch.Tensor, k: torch.Tensor, key_mask: torch.Tensor | None
-    ) -> None:
-        """One online k-means (EMA) step on q [b,h,n,d], k [b,h,m,d]; padded tokens skipped."""
+    ) -> torch.Tensor:
+        """The centroids [h,k,d] after one online k-means (EMA) step on q [b,h,n,d],
+        k [b,h,m,d] (padded tokens skipped); the buffer is left as it is."""
         b, h, n, d = q.shape
         m = k.shape[2]
         x = torch.cat([F.layer_norm(q, (d,), eps=self.cfg.eps),
@@ -523,8 +525,24 @@ class Routing(nn.Module):
         counts = onehot.sum(dim=(0, 2))  # [h,k]
         mean = sums / counts.clamp(min=1.0)[..., None]
         new = F.normalize(self.cfg.decay * mu + (1.0 - self.cfg.decay) * mean, dim=-1)
-        new = torch.where(counts[..., None] > 0, new, mu)
-        self.centroids.copy_(new.to(self.centroids.dtype))
+        return torch.where(counts[..., None] > 0, new, mu).to(self.centroids.dtype)
+
+    def _schedule_update(self, q: torch.Tensor, new: torch.Tensor) -> None:
+        """Step the centroids to ``new`` once per training step: in the backward when one
+        will run through q (a hook on q), else now. So gradient checkpointing, which
+        recomputes the forward before the backward reaches q, routes the recomputation by
+        the centroids the forward used and computes the same ``new`` there without
+        applying it a second time (a hook on a recomputed tensor never fires). Reentrant
+        checkpointing runs its first forward without gradients, so it still steps twice."""
+        if not q.requires_grad:
+            self.centroids.copy_(new)
+            return
+
+        def step(_grad: torch.Tensor) -> None:
+            with torch.no_grad():
+                self.centroids.copy_(new)
+
+        q.register_hook(step)
 
     def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
         check_qkv(q, k, v, self.dims)
@@ -546,5 +564,5 @@ class Routing(nn.Module):
                 dropout=ctx.dropout, training=self.training, need_weights=ctx.need_weights,
             )
             if self.training:
-                self.update_centroids(qw, kw, ctx.key_mask)
+                self._schedule_update(q, self.next_centroids(qw, kw, ctx.key_mask))
         return AttnOutput(out.to(dtype), None if probs is None else probs.to(dtype))
