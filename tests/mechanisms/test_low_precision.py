@@ -222,3 +222,22 @@ def test_tiny_bert_trains_under_cpu_autocast(name):
     loss.backward()
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     assert grads and all(torch.isfinite(gr).all() for gr in grads)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_fp16_outputs_and_gradients_are_finite(name):
+    """float16 (GPUs without bf16): its range is 2^16 and its eps 2^-24, so a small epsilon
+    added in fp16 is 0 and sums of squares overflow. Whole module in fp16, inputs of
+    standard deviation 4 (scores of std 16), a row whose last quarter is padding (so
+    adaptive_span's last queries see no key in their span, and capsule_routing routes zero
+    capsules): fp16 outputs, finite outputs and q, k, v gradients. (Before: adaptive_span's
+    renormalisation gave 0/0 = NaN rows, capsule_routing's squash infinite gradients at a
+    zero capsule.)"""
+    torch.manual_seed(0)
+    mech = attnlab.build_mechanism(mechanism_class(name).example,
+                                   attnlab.HeadDims(H, D, MAXLEN)).eval().half()
+    q, k, v, go, key_mask = _inputs(96)
+    out, grads = _run(mech, 4 * q, 4 * k, 4 * v, go, _ctx(key_mask, False), torch.float16)
+    assert out.dtype == torch.float16 and torch.isfinite(out).all(), name
+    for label, gr in zip("qkv", grads, strict=True):
+        assert gr is None or torch.isfinite(gr).all(), f"{name}: grad of {label} not finite"

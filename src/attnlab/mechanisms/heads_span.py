@@ -429,9 +429,12 @@ class AdaptiveSpan(nn.Module):
         return ((self.cfg.ramp + z - x.to(z.dtype)) / self.cfg.ramp).clamp(0.0, 1.0)
 
     def _renormalise(self, probs: torch.Tensor, mask: torch.Tensor, p: float) -> torch.Tensor:
-        """softmax probs [b,h,n,L] x m_z [h,n|1,L] -> renormalised (then dropout)."""
-        a = probs * mask.to(probs.dtype)
-        a = a / (a.sum(-1, keepdim=True) + NORM_EPS)
+        """softmax probs [b,h,n,L] x m_z [h,n|1,L] -> renormalised (then dropout), in the
+        accumulation dtype for 16-bit probs: in fp16 the 1e-8 is 0, and a row with no
+        visible key (all its span padding) gave 0 / 0 = NaN."""
+        work = accumulation_dtype(probs.dtype)
+        a = probs.to(work) * mask.to(work)
+        a = (a / (a.sum(-1, keepdim=True) + NORM_EPS)).to(probs.dtype)
         return F.dropout(a, p, training=True) if p > 0 else a
 
     def _dense(self, q, k, v, ctx: AttnContext, span: int, scale: float, p: float):

@@ -22,6 +22,7 @@ from ..core import (
     Capabilities,
     HeadDims,
     MechanismConfig,
+    accumulation_dtype,
     check_qkv,
     pattern_bias,
     register_mechanism,
@@ -225,7 +226,11 @@ class CapsuleRouting(nn.Module):
         self.attend = Softmax(SoftmaxConfig(), dims)
 
     def route(self, u: torch.Tensor) -> torch.Tensor:
-        """Input capsules u [b,h,n,d] -> output capsules [b,h,n,d] (dynamic routing)."""
+        """Input capsules u [b,h,n,d] -> output capsules [b,h,n,d] (dynamic routing), in the
+        accumulation dtype for 16-bit u: in fp16 squash's eps is 0, so a zero capsule (a
+        padded query's) had an infinite gradient, and the agreement logits overflow."""
+        dtype = u.dtype
+        u = u.to(accumulation_dtype(dtype))
         votes = torch.einsum("bind,ijde->bnije", u, self.W.to(u.dtype))  # [b,n,h,h,d]
         logits = votes.new_zeros(votes.shape[:-1])  # b_ij [b,n,h_in,h_out]
         for r in range(self.cfg.iterations):
@@ -233,7 +238,7 @@ class CapsuleRouting(nn.Module):
             out = squash(torch.einsum("bnij,bnije->bnje", c, votes))  # o_j [b,n,h,d]
             if r + 1 < self.cfg.iterations:
                 logits = logits + torch.einsum("bnije,bnje->bnij", votes, out)  # agreement
-        return out.transpose(1, 2)  # [b,h,n,d]
+        return out.transpose(1, 2).to(dtype)  # [b,h,n,d]
 
     def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
         check_qkv(q, k, v, self.dims)
