@@ -275,7 +275,15 @@ def jump_counts_or_none(
 ) -> torch.Tensor | None:
     """``jump_counts``, or None when it finds that no head has a jump link (every count 0):
     then nothing is allocated, and a caller can write A_hat = I directly. The ``direct``
-    counter returns its counts, zero or not."""
+    counter returns its counts, zero or not.
+
+    Under ``torch.compile`` it runs eagerly, outside the graph: integer work with no
+    gradient, whose Python loops step by data-dependent sizes (traced with a symbolic n,
+    their unrolled index arithmetic takes Dynamo minutes at n = 300)."""
+    if torch.compiler.is_compiling():  # disabled here, not by a decorator, which would
+        # import torch._dynamo (seconds) with attnlab
+        return torch.compiler.disable(jump_counts_or_none)(scores, key_len, head_dim, rho,
+                                                           sign, valid, method)
     if method not in ("auto", "pairs", "enumerate", "compare", "direct"):
         raise ValueError(f"unknown count method {method!r}; use 'auto', 'pairs', 'enumerate', "
                          "'compare' or 'direct'")

@@ -157,7 +157,11 @@ def head_adjacency(
     0, degree 1), which is written as such without the normalisation's passes; with few
     links the sparse A_hat is built from the linked pairs (``normalized_adjacency_coo``,
     the dense values bit for bit).
+    Under ``torch.compile`` it runs eagerly, outside the graph (no gradient; group loops,
+    data-dependent counts and sparse COO parts): one graph break instead of many.
     """
+    if torch.compiler.is_compiling():  # not a decorator: that imports torch._dynamo
+        return torch.compiler.disable(head_adjacency)(q, k, cfg, valid)
     b, h, n, d = q.shape
     g = b * h
     qf, kf = q.detach().reshape(g, 1, n, d), k.detach().reshape(g, 1, n, d)
