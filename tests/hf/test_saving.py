@@ -9,6 +9,7 @@ import torch
 
 from attnlab import load_pretrained, save_pretrained
 from attnlab.hf import Plan, SurgeryError, applied_report, apply_plan
+from attnlab.hf.plan import PlanError
 
 
 def _round_trip(model, batch, path, plan, **kw):
@@ -56,6 +57,21 @@ def test_unplanned_model_round_trips(tiny_bert, padded_batch, tmp_path):
     loaded = load_pretrained(tmp_path)
     torch.testing.assert_close(loaded(**padded_batch).last_hidden_state,
                                tiny_bert(**padded_batch).last_hidden_state, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("mechanism", [{"name": "my_scaled", "t": 3.0}, "my_scaled(t=3.0)"])
+def test_a_mechanism_not_registered_here_is_named_with_the_fix(tiny_bert, tmp_path,
+                                                                mechanism):
+    """A saved plan with a user's own mechanism (registered outside attnlab), loaded where
+    its module was not imported: the error names it and the import to add (before: an
+    unknown-name error offering 'multiscale')."""
+    apply_plan(tiny_bert, "1:all:talking_heads")
+    save_pretrained(tiny_bert, tmp_path)
+    rules = [{"layers": "all", "heads": "all", "mechanism": mechanism}]
+    (tmp_path / "plan.json").write_text(json.dumps({"plan": rules}))
+    with pytest.raises(PlanError, match=r"'my_scaled', not registered in this process: "
+                                        r"import the module that defines them"):
+        load_pretrained(tmp_path)
 
 
 def test_tampered_plan_is_caught(tiny_bert, tmp_path):

@@ -44,7 +44,7 @@ from transformers import AutoConfig, PreTrainedModel
 
 from ..io import atomic_write
 from .backend import LAYER_ATTR
-from .plan import Plan
+from .plan import Plan, PlanError
 from .surgery import SurgeryError, applied_report, apply_plan
 
 PLAN_FILE = "plan.json"
@@ -171,6 +171,28 @@ def _rebuild(model: nn.Module, folder: Path) -> None:
         _REBUILDERS[name](model, record["payload"])
 
 
+def _read_plan(plan_file: Path) -> Plan:
+    """The saved plan; a mechanism this process has not registered (a user's own, defined
+    outside attnlab) is named with the fix, not offered a registered name's spelling."""
+    text = plan_file.read_text()
+    try:
+        return Plan.from_json(text)
+    except PlanError:
+        from ..core import list_mechanisms
+
+        rules = json.loads(text).get("plan", [])
+        specs = [r.get("mechanism") for r in rules if isinstance(r, dict)]
+        names = [m.get("name") if isinstance(m, dict) else m.split("(")[0].strip()
+                 for m in specs if isinstance(m, dict | str)]
+        missing = sorted({n for n in names if n not in list_mechanisms()})
+        if not missing:
+            raise
+        raise PlanError(
+            f"{plan_file} uses mechanism(s) {', '.join(map(repr, missing))}, not registered "
+            "in this process: import the module that defines them (its "
+            "@register_mechanism classes) before load_pretrained") from None
+
+
 def load_pretrained(path: str | os.PathLike, auto_class: Any = None) -> nn.Module:
     """Rebuild the model saved by :func:`save_pretrained` with its plan and weights.
 
@@ -194,7 +216,7 @@ def load_pretrained(path: str | os.PathLike, auto_class: Any = None) -> nn.Modul
             f"{folder} has no {PLAN_FILE}: loading it with plain softmax attention. A model "
             "saved with Hugging Face's model.save_pretrained loses its plan; save with "
             "attnlab.save_pretrained(model, path) to keep it.", stacklevel=2)
-    plan = Plan.from_json(plan_file.read_text()) if plan_file.exists() else Plan()
+    plan = _read_plan(plan_file) if plan_file.exists() else Plan()
     max_len = None
     if surgery_file.exists():
         max_len = json.loads(surgery_file.read_text()).get("max_len")
