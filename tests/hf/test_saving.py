@@ -59,19 +59,31 @@ def test_unplanned_model_round_trips(tiny_bert, padded_batch, tmp_path):
                                tiny_bert(**padded_batch).last_hidden_state, atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("mechanism", [{"name": "my_scaled", "t": 3.0}, "my_scaled(t=3.0)"])
-def test_a_mechanism_not_registered_here_is_named_with_the_fix(tiny_bert, tmp_path,
-                                                                mechanism):
+@pytest.mark.parametrize("plan", [
+    {"plan": [{"layers": "all", "heads": "all", "mechanism": {"name": "my_scaled", "t": 3}}]},
+    {"plan": [{"layers": "all", "heads": "all", "mechanism": "my_scaled(t=3.0)"}]},
+    {"plan": ["all:all:my_scaled(t=3.0)"]},
+    [{"layers": "all", "heads": "all", "mechanism": {"name": "my_scaled"}}],
+])
+def test_a_mechanism_not_registered_here_is_named_with_the_fix(tiny_bert, tmp_path, plan):
     """A saved plan with a user's own mechanism (registered outside attnlab), loaded where
-    its module was not imported: the error names it and the import to add (before: an
-    unknown-name error offering 'multiscale')."""
+    its module was not imported: the error keeps its usual text and adds the import to
+    make (before: only "did you mean 'multiscale'?")."""
     apply_plan(tiny_bert, "1:all:talking_heads")
     save_pretrained(tiny_bert, tmp_path)
-    rules = [{"layers": "all", "heads": "all", "mechanism": mechanism}]
-    (tmp_path / "plan.json").write_text(json.dumps({"plan": rules}))
-    with pytest.raises(PlanError, match=r"'my_scaled', not registered in this process: "
-                                        r"import the module that defines them"):
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    with pytest.raises(PlanError, match=r"unknown mechanism 'my_scaled'.* If 'my_scaled' is "
+                                        r"a mechanism of your own, import the module"):
         load_pretrained(tmp_path)
+
+
+def test_a_plan_error_that_names_no_unknown_mechanism_is_left_as_it_is(tiny_bert, tmp_path):
+    save_pretrained(tiny_bert, tmp_path)
+    rules = [{"layers": "all", "heads": "all", "mechanism": {"name": "band", "nope": 1}}]
+    (tmp_path / "plan.json").write_text(json.dumps({"plan": rules}))
+    with pytest.raises(PlanError, match="nope") as err:
+        load_pretrained(tmp_path)
+    assert "of your own" not in str(err.value)
 
 
 def test_tampered_plan_is_caught(tiny_bert, tmp_path):

@@ -224,20 +224,28 @@ def test_tiny_bert_trains_under_cpu_autocast(name):
     assert grads and all(torch.isfinite(gr).all() for gr in grads)
 
 
+@pytest.mark.parametrize("mode", ["module", "autocast"])
 @pytest.mark.parametrize("name", NAMES)
-def test_fp16_outputs_and_gradients_are_finite(name):
-    """float16 (GPUs without bf16): its range is 2^16 and its eps 2^-24, so a small epsilon
-    added in fp16 is 0 and sums of squares overflow. Whole module in fp16, inputs of
-    standard deviation 4 (scores of std 16), a row whose last quarter is padding (so
-    adaptive_span's last queries see no key in their span, and capsule_routing routes zero
-    capsules): fp16 outputs, finite outputs and q, k, v gradients. (Before: adaptive_span's
-    renormalisation gave 0/0 = NaN rows, capsule_routing's squash infinite gradients at a
-    zero capsule.)"""
+def test_fp16_outputs_and_gradients_are_finite(name, mode):
+    """float16 (GPUs without bf16): its largest value is 65504 and its smallest 2^-24
+    (eps 2^-10), so a small epsilon added in fp16 is 0 and sums of squares overflow. The
+    whole module in fp16, or an fp32 module under fp16 autocast; inputs of standard
+    deviation 4 (scores of std 16), a row whose last quarter is padding (so adaptive_span's
+    last queries see no key in their span, and capsule_routing routes zero capsules): fp16
+    outputs, finite outputs and q, k, v gradients. (Before: adaptive_span's renormalisation
+    gave 0/0 = NaN rows, capsule_routing's squash infinite gradients at a zero capsule, and
+    under autocast capsule_routing and performer infinite gradients.)"""
     torch.manual_seed(0)
     mech = attnlab.build_mechanism(mechanism_class(name).example,
-                                   attnlab.HeadDims(H, D, MAXLEN)).eval().half()
+                                   attnlab.HeadDims(H, D, MAXLEN)).eval()
+    if mode == "module":
+        mech = mech.half()
     q, k, v, go, key_mask = _inputs(96)
-    out, grads = _run(mech, 4 * q, 4 * k, 4 * v, go, _ctx(key_mask, False), torch.float16)
+    xs = [(4 * t).to(torch.float16).requires_grad_() for t in (q, k, v)]
+    with torch.autocast("cpu", dtype=torch.float16, enabled=mode == "autocast"):
+        out = mech(*xs, _ctx(key_mask, False)).out
+    out.backward(go.to(out.dtype))
+    grads = [x.grad for x in xs]
     assert out.dtype == torch.float16 and torch.isfinite(out).all(), name
     for label, gr in zip("qkv", grads, strict=True):
         assert gr is None or torch.isfinite(gr).all(), f"{name}: grad of {label} not finite"

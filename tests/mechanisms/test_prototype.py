@@ -486,6 +486,8 @@ def test_draws_are_seeded_per_layer_and_redrawn_in_training(name):
     assert torch.equal(draw(fresh), first) and torch.equal(draw(fresh), second)
     torch.manual_seed(0)
     assert not torch.equal(draw(build(spec).train(), 1), first)  # and differ per layer
+    torch.manual_seed(0)
+    assert not torch.equal(draw(other_seed.train()), first)  # and per the config's seed
 
 
 def test_training_forward_uses_the_draws():

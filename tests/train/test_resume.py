@@ -155,7 +155,7 @@ def test_resume_refuses_another_chunk_size(tmp_path, monkeypatch):
 @pytest.mark.parametrize("spec", ["performer(num_features=8)", "probsparse(factor=1)",
                                   "clustered(clusters=2, bits=4, iterations=2)",
                                   "jat(variant='probsparse')"])
-def test_mechanisms_own_random_streams_resume_where_they_stood(tmp_path, spec):
+def test_training_draws_resume_where_they_stood(tmp_path, spec):
     """Mechanisms that draw afresh at every training forward (performer's features,
     probsparse's samples, the clustered hashes, JAT's probsparse variant) draw through the
     global RNG (``core.masks.training_generator``), which the checkpoint restores, so the
@@ -176,4 +176,3 @@ def test_mechanisms_own_random_streams_resume_where_they_stood(tmp_path, spec):
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0)
-

@@ -74,6 +74,12 @@ def seeded_generator(seed: int, layer_idx: int, n: int) -> torch.Generator:
     return torch.Generator().manual_seed(mixed)
 
 
+def global_draw() -> int:
+    """One integer in [0, 2^62) from the global CPU RNG: what a mechanism's training-time
+    randomness is seeded from (``training_generator``, performer's feature draws)."""
+    return int(torch.randint(0, 2**62, ()).item())
+
+
 def training_generator(seed: int, layer_idx: int) -> torch.Generator:
     """CPU generator of one training call of a mechanism that draws afresh at every
     training forward: seeded by (seed, layer_idx) and one draw from the global CPU RNG.
@@ -83,8 +89,7 @@ def training_generator(seed: int, layer_idx: int) -> torch.Generator:
     recomputes the forward's draws; and a resumed run, whose checkpoint restores the
     global RNG, continues them as the uninterrupted run does. (Generators of the
     mechanism's own would need all three handled apart.)"""
-    fresh = int(torch.randint(0, 2**62, ()).item())
-    return seeded_generator(seed, layer_idx, fresh)
+    return seeded_generator(seed, layer_idx, global_draw())
 
 
 _DRAW_ROWS = 256  # rows of uniform draws at a time: no [n, m] float tensor is built

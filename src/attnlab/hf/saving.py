@@ -171,26 +171,47 @@ def _rebuild(model: nn.Module, folder: Path) -> None:
         _REBUILDERS[name](model, record["payload"])
 
 
+def _unregistered(text: str) -> list[str]:
+    """The mechanism names of a saved plan's JSON that this process has not registered
+    (any rule form ``Plan.parse`` takes; [] where the JSON does not say)."""
+    from ..core import list_mechanisms
+    from ..core.spec import RegistryError, parse_spec
+
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return []
+    rules = data.get("plan", [data]) if isinstance(data, dict) else data
+    names = set()
+    for rule in rules if isinstance(rules, list) else []:
+        spec = rule.get("mechanism") if isinstance(rule, dict) else rule
+        if isinstance(spec, dict):
+            spec = spec.get("name")
+        elif isinstance(spec, str) and isinstance(rule, str):
+            spec = spec.rsplit(":", 1)[-1]  # LAYERS:HEADS:SPEC
+        if isinstance(spec, str):
+            try:
+                names.add(parse_spec(spec)[0])
+            except RegistryError:
+                continue
+    known = set(list_mechanisms())
+    return sorted(n for n in names if n not in known)
+
+
 def _read_plan(plan_file: Path) -> Plan:
-    """The saved plan; a mechanism this process has not registered (a user's own, defined
-    outside attnlab) is named with the fix, not offered a registered name's spelling."""
+    """The saved plan. A name this process has not registered may be a user's own
+    mechanism whose module was not imported: the error says so beside its usual hint."""
     text = plan_file.read_text()
     try:
         return Plan.from_json(text)
-    except PlanError:
-        from ..core import list_mechanisms
-
-        rules = json.loads(text).get("plan", [])
-        specs = [r.get("mechanism") for r in rules if isinstance(r, dict)]
-        names = [m.get("name") if isinstance(m, dict) else m.split("(")[0].strip()
-                 for m in specs if isinstance(m, dict | str)]
-        missing = sorted({n for n in names if n not in list_mechanisms()})
+    except PlanError as err:
+        missing = _unregistered(text)
         if not missing:
             raise
         raise PlanError(
-            f"{plan_file} uses mechanism(s) {', '.join(map(repr, missing))}, not registered "
-            "in this process: import the module that defines them (its "
-            "@register_mechanism classes) before load_pretrained") from None
+            f"{err} If {', '.join(map(repr, missing))} is a mechanism of your own, import the "
+            "module that registers it (its @register_mechanism class) before "
+            "load_pretrained.") from None
 
 
 def load_pretrained(path: str | os.PathLike, auto_class: Any = None) -> nn.Module:

@@ -61,12 +61,12 @@ def run_pattern(mech: Pattern, q, k, v, ctx: AttnContext, fast: FastPath | None)
         )
         return AttnOutput(out)
     if sparse and fast is not None:
-        if q.device.type != "cpu":  # CUDA with attention dropout: in the inputs' dtype
+        if q.device.type != "cpu":  # CUDA without FlexAttention here: the inputs' dtype
             return AttnOutput(fast(q, k, v, ctx, scale, p))
         # on the CPU 16-bit inputs run the engines in fp32 (under autocast too) and return
         # in their dtype: in bf16 the blocked engine's log-sum-exp merges and key-gradient
-        # sums round (bigbird at n = 300: 3.2 bf16 ulps of the output's scale from fp32, the
-        # dense bf16 oracle 1.0), and the CPU flash kernels take fp32 only
+        # sums round (bigbird at n = 300: 3.2u from fp32, u = 2^-8 times the output's
+        # scale; the dense bf16 oracle 1.0u), and the CPU flash kernels take fp32 only
         work = accumulation_dtype(q.dtype)
         with torch.autocast(q.device.type, enabled=False):
             out = fast(q.to(work), k.to(work), v.to(work), ctx, scale, p)

@@ -474,8 +474,9 @@ class Routing(nn.Module):
     Training (train mode only): after the forward, each unpadded q^ and k^ joins its nearest
     centroid (argmax x^ . mu_c), and mu_c <- normalise(lambda mu_c + (1 - lambda) mean of its
     members) (clusters with no member keep mu_c), applied when the backward reaches q (at
-    once without one), so gradient checkpointing neither re-steps nor re-routes; eval mode
-    never updates, so it is deterministic. The centroids are a buffer [h, k, d] (saved with
+    once when q needs no gradient; a forward whose graph is never backpropagated does not
+    step), so gradient checkpointing neither re-steps nor re-routes; eval mode never
+    updates, so it is deterministic. The centroids are a buffer [h, k, d] (saved with
     the model, no gradient), initialised from a generator seeded by ``seed``.
     Complexity O(n*k*d + k*w^2*d) time (+ O(n log n) top-w), O(k*w^2) memory.
     Padding: padded keys rank last in every cluster and are never attended (so are padded
@@ -528,8 +529,9 @@ class Routing(nn.Module):
         return torch.where(counts[..., None] > 0, new, mu).to(self.centroids.dtype)
 
     def _schedule_update(self, q: torch.Tensor, new: torch.Tensor) -> None:
-        """Step the centroids to ``new`` once per training step: in the backward when one
-        will run through q (a hook on q), else now. So gradient checkpointing, which
+        """Step the centroids to ``new`` once per training step: when the backward reaches
+        q (a hook on q; no step if the graph is never backpropagated), or now when q needs
+        no gradient. So gradient checkpointing, which
         recomputes the forward before the backward reaches q, routes the recomputation by
         the centroids the forward used and computes the same ``new`` there without
         applying it a second time (a hook on a recomputed tensor never fires). Reentrant

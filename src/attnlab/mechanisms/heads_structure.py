@@ -231,13 +231,14 @@ class CapsuleRouting(nn.Module):
         padded query's) had an infinite gradient, and the agreement logits overflow."""
         dtype = u.dtype
         u = u.to(accumulation_dtype(dtype))
-        votes = torch.einsum("bind,ijde->bnije", u, self.W.to(u.dtype))  # [b,n,h,h,d]
-        logits = votes.new_zeros(votes.shape[:-1])  # b_ij [b,n,h_in,h_out]
-        for r in range(self.cfg.iterations):
-            c = logits.softmax(-1)  # c_ij over output capsules j
-            out = squash(torch.einsum("bnij,bnije->bnje", c, votes))  # o_j [b,n,h,d]
-            if r + 1 < self.cfg.iterations:
-                logits = logits + torch.einsum("bnije,bnje->bnij", votes, out)  # agreement
+        with torch.autocast(u.device.type, enabled=False):  # fp32 under autocast too
+            votes = torch.einsum("bind,ijde->bnije", u, self.W.to(u.dtype))  # [b,n,h,h,d]
+            logits = votes.new_zeros(votes.shape[:-1])  # b_ij [b,n,h_in,h_out]
+            for r in range(self.cfg.iterations):
+                c = logits.softmax(-1)  # c_ij over output capsules j
+                out = squash(torch.einsum("bnij,bnije->bnje", c, votes))  # o_j [b,n,h,d]
+                if r + 1 < self.cfg.iterations:
+                    logits = logits + torch.einsum("bnije,bnje->bnij", votes, out)  # agreement
         return out.transpose(1, 2).to(dtype)  # [b,h,n,d]
 
     def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:

@@ -29,6 +29,7 @@ from ..core import (
     check_qkv,
     register_mechanism,
 )
+from ..core.masks import global_draw
 from ..core.slicing import over_head_groups
 
 FeatureMap = Literal["elu", "relu"]
@@ -511,7 +512,7 @@ class Performer(nn.Module):
         if self.training and self.cfg.redraw == "every_forward":
             # a fresh draw >= 1 from the global RNG: fixed by the run's seed, recomputed
             # alike under gradient checkpointing, continued alike on resume
-            self.last_draw = 1 + int(torch.randint(0, 2**62, ()).item())
+            self.last_draw = 1 + global_draw()
             return self.projection(layer_idx, self.last_draw, device, dtype)
         self.last_draw = 0
         key = (layer_idx, device, dtype)
@@ -534,5 +535,8 @@ class Performer(nn.Module):
             fk = favor_features(kg.to(work) * c, w, ctx.key_mask, is_query=False)  # [b,g,m,m]
             return _linear_attention(fq, fk, vg.to(work), ctx, 0.0, self.cfg.chunk, q.dtype)
 
-        return over_head_groups(heads, (q, k, v), _bytes_per_head(
-            q, k, v, ctx, self.cfg.chunk, self.cfg.num_features))
+        # in fp32 under autocast too (16-bit inputs are computed in fp32): under fp16
+        # autocast the exponentials' products overflowed into inf gradients at inputs of std 4
+        with torch.autocast(q.device.type, enabled=False):
+            return over_head_groups(heads, (q, k, v), _bytes_per_head(
+                q, k, v, ctx, self.cfg.chunk, self.cfg.num_features))

@@ -60,6 +60,7 @@ from ..models import load_model as load_hf_model
 from ..tasks import get_task, read_texts
 from .naming import run_label, safe_name  # re-exported: cli_analyze and connections use them
 from .quickstart import SHARED_DATA
+from .rundir import is_tlm_run
 from .runmodel import load_run_model
 
 T = TypeVar("T")
@@ -140,7 +141,7 @@ def load_model(spec: str) -> LoadedModel:
             "folder (config.json + weights)"
         )
     name = run_label(path)
-    if is_run_dir(path) and (path / "tlm.json").is_file():  # attnlab tlm train: the encoder
+    if is_run_dir(path) and is_tlm_run(path):  # attnlab tlm train: the encoder
         from .tlm_train import load_tlm_run
 
         tlm, tok = load_tlm_run(path)

@@ -45,6 +45,7 @@ from ..tasks import get_task
 from .analyze import LoadedModel, Progress, TextSource, analyze_model
 from .evaluation import make_evaluator
 from .head_select import read_head_table
+from .rundir import is_tlm_run
 
 TOP = 10  # heads listed in the Markdown summary
 
@@ -88,7 +89,7 @@ def run_importance(
     (see the module doc). ``analysis``: a head_scores.json (or its folder) for the classes;
     None analyses the model now on the same examples. ``metric``: the ablation's metric, one
     the task computes (default: its main metric)."""
-    if loaded.run_dir is not None and (loaded.run_dir / "tlm.json").is_file():
+    if loaded.run_dir is not None and is_tlm_run(loaded.run_dir):
         raise ValueError(f"{loaded.name} is a TLM run, whose task head is not a Hugging Face "
                          "one that head importance can mask and score; `attnlab analyze heads "
                          f"{loaded.source}` analyses its encoder")

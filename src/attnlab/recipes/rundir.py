@@ -9,6 +9,7 @@
 - :func:`provenance` is what ``summary.json`` says about where a run came from: attnlab's
   version and git commit (when run from a checkout), the versions of Python and the
   fast-moving libraries, and the device.
+- :func:`is_tlm_run` tells a folder of ``attnlab tlm`` from the other runs' folders.
 - :func:`prune_finished` deletes what a finished run no longer needs: the checkpoints
   (model, optimizer, RNG states) and the best-model copy the loop restored from; the
   result, ``tuned.safetensors`` (only the trained parameters for partial tuners), stays.
@@ -154,3 +155,12 @@ def prune_finished(run_dir: Path) -> int:
 
 def folder_size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+TLM_RECORD = "tlm.json"  # what ``attnlab tlm train`` records about its run
+
+
+def is_tlm_run(path: Path) -> bool:
+    """A folder of ``attnlab tlm train``: its record, or the stage-1 folder of a run that
+    has not written it yet."""
+    return (path / TLM_RECORD).is_file() or (path / "stage1").is_dir()

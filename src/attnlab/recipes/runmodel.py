@@ -23,6 +23,7 @@ from ..hf.surgery import SurgeryReport, apply_plan
 from ..models import load_model
 from ..tasks import get_task
 from ..tuning.base import TaskInfo, TaskKind, load_tuned_file, resolve_tuning
+from .rundir import is_tlm_run
 
 
 def task_kind(task) -> TaskKind:
@@ -96,7 +97,7 @@ def load_run_model(run_dir: str | Path) -> tuple[torch.nn.Module, Any, Experimen
 
 def _no_weights(run_dir: Path, weights: Path) -> str:
     """Why a folder without tuned weights is no finished run, and what to give instead."""
-    if (run_dir / "tlm.json").is_file() or (run_dir / "stage1").is_dir():
+    if is_tlm_run(run_dir):
         return (f"{run_dir} is a run of `attnlab tlm`, which this command does not read; its "
                 f"dev metrics are in {run_dir / 'summary.json'} (`attnlab collect` tabulates "
                 "them)")

@@ -62,7 +62,7 @@ from ..train.loop import (
 from ..train.memory import peak_rss_mb
 from ..train.optim import OptimSettings, build_optimizer
 from .evaluation import degenerate_warning, make_evaluator, subset
-from .rundir import now, provenance, prune_finished
+from .rundir import TLM_RECORD, now, provenance, prune_finished
 from .summary import RunSummary, write_summary
 from .tlm_config import TlmConfig, external_file, read_external, tuning_spec
 
@@ -490,7 +490,7 @@ def write_results(cfg: TlmConfig, data: TlmData, run_dir: Path, stage1: dict[str
                    "seconds_per_step": stage2.train_seconds / max(stage2.step, 1),
                    "best_step": stage2.best_step, "best_metric": stage2.best_metric,
                    "evals": stage2.evals}
-    write_json(run_dir / "tlm.json", {"external": data.source, "stage1": stage1,
+    write_json(run_dir / TLM_RECORD, {"external": data.source, "stage1": stage1,
                                       "stage2": stage2_info})
     summary = RunSummary(
         name=str(cfg.name), task=data.task.name, seed=cfg.seed, status="finished",
