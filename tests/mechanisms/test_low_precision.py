@@ -22,11 +22,9 @@ Why 8: a bf16 forward rounds about three stored intermediates in a chain (scores
 probabilities or features, output), each to within u; a score s off by u|s| moves exp(s)
 by a factor of about 1 + u|s|, and |s| reaches about 4 here (unit-variance inputs, scale
 1/sqrt(d)), so up to ~4u from the softmax and ~1u for each other rounding. The backward
-runs the same chain in reverse, so the same bound. Measured (outputs / gradients, in u):
-at most 4.2 / 6.3 across the mechanisms and cases here (capsule_routing, causal: three
-routing iterations of softmaxes), most softmax-based mechanisms 0.4-2; performer under
-autocast 3.0 / 4.3 here and up to 3.6 / 7.4 over five other input seeds (its feature
-projection runs in bf16 there, so exp() sees a rounded exponent).
+runs the same chain in reverse, so the same bound. Measured (in u): at most 5.1 for a
+gradient and 3.0 for an output across the mechanisms and cases here (bp_tree at n = 300;
+then synthesizer's gradients under autocast, 4.6), most softmax-based mechanisms 0.4-2.
 
 Mechanisms that equal softmax over a pattern (``caps.exact``) are also held to the dense
 oracle: their bf16 error (output and each gradient) at most that of ``reference_attention``
