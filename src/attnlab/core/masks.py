@@ -92,6 +92,15 @@ def training_generator(seed: int, layer_idx: int) -> torch.Generator:
     return seeded_generator(seed, layer_idx, global_draw())
 
 
+def call_generator(seed: int, layer_idx: int, n: int, training: bool) -> torch.Generator:
+    """Where a call's random draws come from: in training a fresh ``training_generator``
+    (redrawn every call, through the global RNG), in eval the fixed ``seeded_generator`` of
+    (seed, layer_idx, n), so eval is deterministic."""
+    if training:
+        return training_generator(seed, layer_idx)
+    return seeded_generator(seed, layer_idx, n)
+
+
 _DRAW_ROWS = 256  # rows of uniform draws at a time: no [n, m] float tensor is built
 
 

@@ -33,7 +33,7 @@ from ..core import (
     masked_softmax,
     register_mechanism,
 )
-from ..core.masks import seeded_generator, training_generator
+from ..core.masks import call_generator
 from ..core.slicing import over_head_groups
 from ._kmeans import ClusterDraws, cluster_queries, draw_clustering
 from ._maskedsdpa import masked_sdpa
@@ -45,25 +45,6 @@ __all__ = ["ClusterDraws", "cluster_queries", "clustered_attention", "draw_clust
            "probsparse_row_sizes", "probsparse_sizes"]
 
 DRAW_RANGE = 2**31  # probsparse draws r are uniform integers in [0, 2^31)
-
-
-class DrawStreams:
-    """Where a mechanism's random draws come from (seed, layer_idx).
-
-    Training: each call draws afresh (both papers redraw per forward) from a generator
-    seeded by (seed, layer_idx) and one draw from the global RNG (``training_generator``),
-    so a run is reproducible from its seed, gradient checkpointing recomputes the same
-    draws, and a resumed run continues them. Eval: a generator seeded by (seed, layer_idx,
-    n) per call, so eval is deterministic.
-    """
-
-    def __init__(self, seed: int) -> None:
-        self.seed = seed
-
-    def generator(self, layer_idx: int, n: int, training: bool) -> torch.Generator:
-        if not training:
-            return seeded_generator(self.seed, layer_idx, n)
-        return training_generator(self.seed, layer_idx)
 
 
 def _work(*ts: torch.Tensor) -> list[torch.Tensor]:
@@ -243,7 +224,7 @@ _CLUSTERED_NOTES = """
     queries do (gradient flows to every member, as the official ``_GroupQueries``).
     Randomness (hyperplanes, initial centroids, empty-cluster codes): one draw per call,
     shared by the batch rows and heads, seeded by (seed, layer_idx): in training redrawn every
-    call through the global RNG (``DrawStreams``; the official code redraws every forward),
+    call through the global RNG (``call_generator``; the official code redraws every forward),
     in eval a fixed draw per (seed, layer_idx, n), so eval is deterministic.
     ``draws(n, layer_idx)`` returns the draw a call would use and ``cluster_queries`` the
     assignment.
@@ -266,7 +247,6 @@ class _ClusteringMechanism(Protocol):
     """What the shared clustered helpers read from ``Clustered`` / ``ImprovedClustered``."""
 
     dims: HeadDims
-    streams: DrawStreams
     training: bool
 
     @property
@@ -315,7 +295,7 @@ def _draws(
     mech: _ClusteringMechanism, n: int, layer_idx: int, head_dim: int | None
 ) -> ClusterDraws:
     cfg = mech.cfg
-    gen = mech.streams.generator(layer_idx, n, mech.training)
+    gen = call_generator(cfg.seed, layer_idx, n, mech.training)
     d = mech.dims.head_dim if head_dim is None else head_dim
     return draw_clustering(gen, n, d, cfg.bits, cfg.clusters, cfg.iterations)
 
@@ -341,7 +321,6 @@ class Clustered(nn.Module):
     def __init__(self, cfg: ClusteredConfig, dims: HeadDims) -> None:
         super().__init__()
         self.cfg, self.dims = cfg, dims
-        self.streams = DrawStreams(cfg.seed)
 
     def draws(self, n: int, layer_idx: int, head_dim: int | None = None) -> ClusterDraws:
         """The random draws of a call on n queries in layer ``layer_idx`` (current mode;
@@ -376,7 +355,6 @@ class ImprovedClustered(nn.Module):
     def __init__(self, cfg: ImprovedClusteredConfig, dims: HeadDims) -> None:
         super().__init__()
         self.cfg, self.dims = cfg, dims
-        self.streams = DrawStreams(cfg.seed)
 
     def draws(self, n: int, layer_idx: int, head_dim: int | None = None) -> ClusterDraws:
         """The random draws of a call on n queries in layer ``layer_idx`` (current mode;
@@ -530,7 +508,7 @@ class ProbSparse(nn.Module):
     from ``jat.probsparse_sizes`` (the same rule). Large c (u = n) is exactly softmax.
     Complexity O(n*U*d + u*m*d) time, O(n*U + u*m) memory (the measure runs in query chunks).
     Randomness: training draws afresh every call from (seed, layer_idx) and the global RNG
-    (``DrawStreams``; the official code redraws every call, eval too); eval uses a fixed draw per
+    (``call_generator``; the official code redraws every call, eval too); eval uses a fixed draw per
     (seed, layer_idx, n), so it is deterministic. ``draws(n, m, layer_idx)`` returns it,
     ``probsparse_keys`` maps it to key indices.
     Padding: a row has its unpadded sequence's sizes (official: no padding): U_b samples (the first
@@ -562,7 +540,6 @@ class ProbSparse(nn.Module):
     def __init__(self, cfg: ProbSparseConfig, dims: HeadDims) -> None:
         super().__init__()
         self.cfg, self.dims = cfg, dims
-        self.streams = DrawStreams(cfg.seed)
 
     def sizes(self, n: int, m: int) -> tuple[int, int]:
         """(U sampled keys per query, u active queries) for n queries and m keys."""
@@ -579,7 +556,7 @@ class ProbSparse(nn.Module):
         """The draws r [n, U] (uniform in [0, 2^31)) a call would use in the current mode
         (U for the padded length m; a padded row uses its first U_b columns)."""
         num, _ = self.sizes(n, m)
-        gen = self.streams.generator(layer_idx, n, self.training)
+        gen = call_generator(self.cfg.seed, layer_idx, n, self.training)
         return torch.randint(DRAW_RANGE, (n, num), generator=gen)
 
     def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
