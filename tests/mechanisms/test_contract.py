@@ -133,18 +133,36 @@ def test_finite_gradients(name):
     res = mech(q, k, v, ctx(key_mask=key_mask))
     loss = res.out.square().sum() + (res.aux_loss if res.aux_loss is not None else 0.0)
     loss.backward()
-    read = (q, v) if mech.caps.shared_qk else (q, k, v)  # shared QK: k is not read
-    if not mech.caps.reads_qk:
-        read = (v,)  # position-only weights: neither q nor k is read
-    for t in read:
-        assert t.grad is not None and torch.isfinite(t.grad).all()
-    if mech.caps.shared_qk:
-        assert k.grad is None
-    if not mech.caps.reads_qk:
-        assert q.grad is None and k.grad is None
+    _check_reads(mech, q, k, v)
     for p in mech.parameters():
         if p.requires_grad and p.grad is not None:
             assert torch.isfinite(p.grad).all()
+
+
+def _check_reads(mech, q, k, v) -> None:
+    """What ``caps.reads()`` declares read has a finite gradient; the rest none (the host's
+    projections of what is not read get no gradient: the runner warns a tuner about it)."""
+    read_q, read_k = mech.caps.reads()
+    for t, read in ((q, read_q), (k, read_k), (v, True)):
+        if read:
+            assert t.grad is not None and torch.isfinite(t.grad).all()
+        else:
+            assert t.grad is None
+
+
+@pytest.mark.parametrize("spec_, reads", [
+    ("synthesizer", (True, False)),  # dense F(q_i) alone: no k
+    ("synthesizer(kind='random')", (False, False)),  # the table alone: neither
+    ("synthesizer(kind='random', mix=0.5)", (True, True)),
+    ("synthesizer(kind='random', learn_mix=True)", (True, True)),  # alpha may leave 1
+    # (it starts at 1: q and k get gradient 0, not None)
+])
+def test_reads_follow_the_config(spec_, reads):
+    mech = attnlab.build_mechanism(spec_, attnlab.HeadDims(H, D, MAXLEN)).train()
+    assert mech.caps.reads() == reads
+    q, k, v = (t.requires_grad_() for t in qkv(19))
+    mech(q, k, v, ctx()).out.square().sum().backward()
+    _check_reads(mech, q, k, v)
 
 
 @pytest.mark.parametrize("name", NAMES)

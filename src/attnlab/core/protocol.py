@@ -88,6 +88,9 @@ class Capabilities:
     reads_qk: False when neither q nor k is read (the weights depend on positions only, as in
       hard-coded Gaussian attention); the host's Q and K projections then get no gradient
       from these heads.
+    reads_k: False when q is read but k is not (the dense Synthesizer alone); its K
+      projection then gets no gradient from these heads. :meth:`reads` combines the three.
+      Config-dependent values are declared on the instance, as ``kv_heads``.
     """
 
     family: str
@@ -103,7 +106,12 @@ class Capabilities:
     shared_qk: bool = False
     head_dims: tuple[int, int] | None = None
     reads_qk: bool = True
+    reads_k: bool = True
     task_conditioned: bool = False
+
+    def reads(self) -> tuple[bool, bool]:
+        """(q is read, k is read): what gives the host's Q and K projections a gradient."""
+        return self.reads_qk, self.reads_qk and self.reads_k and not self.shared_qk
 
 
 @dataclass

@@ -10,6 +10,7 @@ L = HeadDims.max_len, T tasks, s CA-MTL block size, f hidden width of a per-head
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import ClassVar, Literal
@@ -390,8 +391,9 @@ class Synthesizer(nn.Module):
         mixture:     out = softmax((1 - alpha) Q K^T * scale + alpha S[:n, :m] + mask) V
     ``mix`` = alpha: 0 is plain dot-product softmax (tested equal), 1 (default) the pure
     synthesizer, which reads no k (and the random forms no q either: the host's
-    projections get no gradient from those heads). ``learn_mix`` makes alpha a per-head
-    parameter initialised at ``mix`` (alpha_1 + alpha_2 = 1 kept by construction).
+    projections get no gradient from those heads; ``caps.reads()`` of the instance says
+    so). ``learn_mix`` makes alpha a per-head parameter initialised at ``mix`` (alpha_1 +
+    alpha_2 = 1 kept by construction).
     Parameters are sized by L (caps.needs_max_len); an input of n <= L positions uses the
     first n rows / m columns; more is an error. Complexity O(n*m*f) (dense) / O(n*m).
     Init: dense MLPs as ``nn.Linear``; R ~ N(0, 1/L); R1 ~ N(0, 1/L), R2 ~ N(0, 1/k)
@@ -444,6 +446,10 @@ class Synthesizer(nn.Module):
                 for i, t in enumerate(tables):
                     self.register_buffer(f"table_{i}", t)
         self.alpha = nn.Parameter(torch.full((h,), cfg.mix)) if cfg.learn_mix else None
+        if cfg.mix == 1.0 and not cfg.learn_mix:  # the pure synthesizer: no dot product
+            read_q = cfg.kind == "dense"  # F(q_i); the random table reads neither
+            vars(self)["caps"] = dataclasses.replace(type(self).caps, reads_qk=read_q,
+                                                     reads_k=False)
         self.reset_parameters()
 
     def _tables(self) -> list[torch.Tensor]:

@@ -3,7 +3,8 @@
 1. resolve the config and make ``runs/<name>/`` (config.yaml, plan.json);
 2. load the task's train and eval splits (seeded subset if asked);
 3. build the model with the task's head (embedded MiniLM, a path, or ``scratch:SIZE``);
-4. apply the attention plan, then the tuner;
+4. apply the attention plan, then the tuner (warning when the tuner trains a Q or K
+   projection no head of its layer reads, ``hf.unread``);
 5. train with ``train.loop.fit`` (Accelerate), evaluating on the dev split; tuners whose
    ``finalize`` changes the model (Diff-Prune's magnitude pruning) finalize the best model,
    which is then re-evaluated: that is the run's result and what is saved;
@@ -17,6 +18,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, cast
@@ -33,6 +35,7 @@ from ..config import (
     with_optim_defaults,
 )
 from ..hf.backend import aux_loss as mechanism_aux_loss
+from ..hf.unread import unread_projections, untrained_warning
 from ..io import write_json
 from ..tasks import get_task
 from ..train.accel import run_accelerator
@@ -170,8 +173,12 @@ def _prepare(cfg: ExperimentConfig, accelerator) -> _Run:
     set_seed(cfg.seed)  # model init (new heads) depends only on the seed
     model, tok = build_model(cfg, task)
     plan, report = apply_run_plan(model, cfg)
+    unread = unread_projections(model) if plan is not None else []
     tuner, tcfg = resolve_tuning(cfg.tuning.method)
     model = tuner.apply(model, tcfg, task=TaskInfo.from_tokenizer(tok, task_kind(task)))
+    dead = untrained_warning(model, unread) if tcfg.name != "full" else None
+    if dead is not None and accelerator.is_main_process:
+        warnings.warn(f"{tcfg.name}: {dead}", stacklevel=2)
     if accelerator.is_main_process:
         write_json(cfg.run_dir / "plan.json", {"plan": plan.to_list() if plan else []})
     overlap = model_overlap(model) if tcfg.name in OVERLAP_TUNERS else None

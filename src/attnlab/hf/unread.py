@@ -1,0 +1,77 @@
+"""Projections no head reads, and the tuner's parameters that would never train there.
+
+A mechanism that reads neither q nor k (``caps.reads()``: ``mega``, the hard-coded Gaussian
+prior, the random Synthesizer) or reads no k (the pure dense Synthesizer, Reformer's shared
+Q/K) on every head of a layer leaves that layer's Q (or K) projection out of the loss: its
+weights, and LoRA or BitFit parameters a tuner puts on it, get no gradient and keep their
+initial values while counting as trainable. :func:`unread_projections` lists such
+projections after surgery; :func:`untrained_warning` names the trainable parameters among
+them once the tuner is applied (the runner prints it for every tuner but full fine-tuning,
+where the unchanged projections are the plan's known effect, not a target choice).
+A fused Q/K/V projection is read as long as v is, so it is never listed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from .arch import inspect_model
+from .backend import LAYER_ATTR, AttnlabLayer
+
+ROLES = ("query", "key")
+
+
+@dataclass(frozen=True)
+class Unread:
+    """One projection no head of its layer reads."""
+
+    path: str  # module path in the model, e.g. "bert.encoder.layer.2.attention.self.key"
+    layer: int
+    role: str  # "query" or "key"
+    mechanisms: tuple[str, ...]  # the layer's mechanism names
+
+
+def unread_projections(model: nn.Module) -> list[Unread]:
+    """The Q and K projections of ``model`` (after :func:`~attnlab.hf.apply_plan`) that no
+    head of their layer reads; [] for a model without a plan or with a fused projection."""
+    host = inspect_model(model)
+    if host.fused:
+        return []
+    paths = {id(m): name for name, m in model.named_modules()}
+    found = []
+    for layer, attn in enumerate(host.attention):
+        installed = getattr(attn, LAYER_ATTR, None)
+        if not isinstance(installed, AttnlabLayer):
+            continue
+        reads = [mech.caps.reads() for mech in installed._mechs()]
+        for i, role in enumerate(ROLES):
+            if not any(r[i] for r in reads):
+                proj = getattr(attn, host.proj[i])
+                found.append(Unread(paths[id(proj)], layer, role, tuple(installed.names())))
+    return found
+
+
+def _under(param: str, path: str) -> bool:
+    """Whether parameter name ``param`` lies under module ``path``, also once a wrapper
+    (PEFT's ``base_model.model.``) prefixes the names and LoRA nests the projection."""
+    return f".{path}." in f".{param}"
+
+
+def untrained_warning(model: nn.Module, unread: list[Unread]) -> str | None:
+    """One line naming the trainable parameters of ``model`` (the tuned model, names possibly
+    prefixed by a wrapper) under the ``unread`` projections, or None when there are none."""
+    hit = {u: [name for name, p in model.named_parameters()
+               if p.requires_grad and _under(name, u.path)] for u in unread}
+    hit = {u: names for u, names in hit.items() if names}
+    if not hit:
+        return None
+    count = sum(len(names) for names in hit.values())
+    roles = "/".join(r for r in ROLES if any(u.role == r for u in hit))
+    layers = ", ".join(str(x) for x in sorted({u.layer for u in hit}))
+    mechs = ", ".join(sorted({m for u in hit for m in u.mechanisms}))
+    example = next(iter(hit.values()))[0]
+    return (f"{count} trainable parameter(s) in the {roles} projections of layer(s) {layers} "
+            f"get no gradient and will not train (e.g. {example}): no head of those layers "
+            f"reads them ({mechs}); leave {roles} out of the tuner's targets there")

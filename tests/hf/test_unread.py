@@ -1,0 +1,96 @@
+"""Projections no head reads: listed after surgery, and a tuner that trains them is warned.
+
+A tiny BertForSequenceClassification (3 layers, 4 heads): layer 0 wholly ``mega`` (reads
+neither q nor k), layer 1 wholly the pure dense ``synthesizer`` (reads q, not k), layer 2
+``synthesizer`` on two heads only (the other two read q and k as before). The listed
+projections are exactly the ones whose parameters get no gradient in a training step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_tiny_bert
+
+from attnlab.config import load_config
+from attnlab.hf import apply_plan
+from attnlab.hf.unread import unread_projections, untrained_warning
+from attnlab.recipes.finetune import run_experiment
+from attnlab.tuning import resolve_tuning
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PLAN = ["0:all:mega(ndim=4, zdim=8, chunk=8)", "1:all:synthesizer", "2:0,1:synthesizer"]
+SELF = "bert.encoder.layer.{}.attention.self.{}"
+
+
+def _model():
+    model = make_tiny_bert("BertForSequenceClassification", num_labels=2)
+    apply_plan(model, PLAN, max_len=16)
+    return model
+
+
+def test_lists_the_projections_no_head_reads():
+    got = {(u.layer, u.role, u.path) for u in unread_projections(_model())}
+    assert got == {(0, "query", SELF.format(0, "query")), (0, "key", SELF.format(0, "key")),
+                   (1, "key", SELF.format(1, "key"))}
+    assert unread_projections(make_tiny_bert("BertForSequenceClassification")) == []
+
+
+def test_listed_projections_are_exactly_the_ones_without_gradient(padded_batch):
+    model = _model().train()
+    model(**padded_batch, labels=torch.tensor([0, 1, 1])).loss.backward()
+    listed = {u.path for u in unread_projections(model)}
+    for layer in range(3):
+        for role in ("query", "key"):
+            path = SELF.format(layer, role)
+            lin = model.get_submodule(path)
+            assert (lin.weight.grad is None) == (path in listed), path
+
+
+@pytest.mark.parametrize("method, example", [
+    ("lora(r=2, target_modules=('query', 'value'))",
+     "base_model.model.bert.encoder.layer.0.attention.self.query.lora_A.default.weight"),
+    ("bitfit", "bert.encoder.layer.0.attention.self.query.bias"),
+])
+def test_tuner_on_unread_projections_is_named(method, example):
+    model = _model()
+    unread = unread_projections(model)
+    tuner, cfg = resolve_tuning(method)
+    tuned = tuner.apply(model, cfg)
+    msg = untrained_warning(tuned, unread)
+    assert msg is not None and f"(e.g. {example})" in msg
+    assert "layer(s) 0" in msg and "mega" in msg
+    lora = method.startswith("lora")
+    # LoRA on query/value: A and B of layer 0's query (layer 1's query is read); BitFit: the
+    # query and key biases of layer 0, the key bias of layer 1
+    assert msg.startswith("2 trainable parameter(s) in the query projections" if lora
+                          else "3 trainable parameter(s) in the query/key projections")
+
+
+def test_nothing_to_say_when_the_targets_are_read():
+    model = _model()
+    unread = unread_projections(model)
+    tuner, cfg = resolve_tuning("lora(r=2, target_modules=('value',))")
+    assert untrained_warning(tuner.apply(model, cfg), unread) is None
+
+
+BASE = ["task.data_dir=builtin", "model.name=scratch:tiny", "model.max_length=24",
+        "train.batch_size=8", "train.max_steps=1", "task.train_limit=8", "task.eval_limit=8"]
+
+
+def test_the_runner_warns(tmp_path):
+    cfg = load_config(None, BASE + ["name=u", f"output_dir={tmp_path}", "tuning.method=bitfit",
+                                    "plan=['0:all:mega(ndim=4, zdim=8, chunk=8)']"])
+    with pytest.warns(UserWarning, match=r"bitfit: 2 trainable parameter\(s\) in the "
+                      r"query/key projections of layer\(s\) 0 get no gradient"):
+        run_experiment(cfg)
+
+
+def test_full_fine_tuning_is_not_warned(tmp_path, recwarn):
+    """Full fine-tuning trains everything: the unchanged Q/K of such a layer is the plan's
+    documented effect, not a choice of targets."""
+    cfg = load_config(None, BASE + ["name=f", f"output_dir={tmp_path}", "tuning.method=full",
+                                    "plan=['0:all:mega(ndim=4, zdim=8, chunk=8)']"])
+    run_experiment(cfg)
+    assert not [w for w in recwarn if "get no gradient" in str(w.message)]
