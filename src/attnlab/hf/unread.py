@@ -1,13 +1,14 @@
 """Projections no head reads, and the tuner's parameters that would never train there.
 
-A mechanism that reads neither q nor k (``caps.reads()``: ``mega``, the hard-coded Gaussian
-prior, the random Synthesizer) or reads no k (the pure dense Synthesizer, Reformer's shared
-Q/K) on every head of a layer leaves that layer's Q (or K) projection out of the loss: its
-weights, and LoRA or BitFit parameters a tuner puts on it, get no gradient and keep their
-initial values while counting as trainable. :func:`unread_projections` lists such
-projections after surgery; :func:`untrained_warning` names the trainable parameters among
-them once the tuner is applied (the runner prints it for every tuner but full fine-tuning,
-where the unchanged projections are the plan's known effect, not a target choice).
+A mechanism that reads neither q nor k (``caps.reads()``: ``mega``, ``average``,
+``hardcoded_gaussian``, the random Synthesizer) or reads no k (the pure dense Synthesizer,
+Reformer's shared Q/K in ``lsh``) on every head of a layer leaves that layer's Q (or K)
+projection out of the loss: its weights, and LoRA or BitFit parameters a tuner puts on it,
+get no gradient and keep their initial values while counting as trainable.
+:func:`unread_projections` lists such projections after surgery; :func:`untrained_warning`
+names the trainable parameters among them once the tuner is applied (the runner prints it
+for every tuner but full fine-tuning, where the unchanged projections are the plan's known
+effect, not a target choice).
 A fused Q/K/V projection is read as long as v is, so it is never listed.
 """
 
