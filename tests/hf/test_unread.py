@@ -79,18 +79,22 @@ BASE = ["task.data_dir=builtin", "model.name=scratch:tiny", "model.max_length=24
         "train.batch_size=8", "train.max_steps=1", "task.train_limit=8", "task.eval_limit=8"]
 
 
-def test_the_runner_warns(tmp_path):
-    cfg = load_config(None, BASE + ["name=u", f"output_dir={tmp_path}", "tuning.method=bitfit",
-                                    "plan=['0:all:mega(ndim=4, zdim=8, chunk=8)']"])
-    with pytest.warns(UserWarning, match=r"bitfit: 2 trainable parameter\(s\) in the "
-                      r"query/key projections of layer\(s\) 0 get no gradient"):
+MEGA0 = "plan=['0:all:mega(ndim=4, zdim=8, chunk=8)']"
+
+
+def test_the_runner_warns_lora(tmp_path):
+    cfg = load_config(None, BASE + ["name=u", f"output_dir={tmp_path}", MEGA0,
+                                    "tuning.method=lora(r=2, target_modules=('query', 'key'))"])
+    with pytest.warns(UserWarning, match=r"lora: 4 trainable parameter\(s\) in the "
+                      r"query/key projections of layer\(s\) 0 get no gradient from the task"):
         run_experiment(cfg)
 
 
-def test_full_fine_tuning_is_not_warned(tmp_path, recwarn):
-    """Full fine-tuning trains everything: the unchanged Q/K of such a layer is the plan's
-    documented effect, not a choice of targets."""
-    cfg = load_config(None, BASE + ["name=f", f"output_dir={tmp_path}", "tuning.method=full",
-                                    "plan=['0:all:mega(ndim=4, zdim=8, chunk=8)']"])
+@pytest.mark.parametrize("method", ["full", "bitfit"])
+def test_tuners_without_targets_are_not_warned(tmp_path, recwarn, method):
+    """Full fine-tuning and BitFit train every weight / bias: the unchanged Q/K of such a
+    layer is the plan's documented effect, not a choice of targets."""
+    cfg = load_config(None, BASE + ["name=f", f"output_dir={tmp_path}", MEGA0,
+                                    f"tuning.method={method}"])
     run_experiment(cfg)
     assert not [w for w in recwarn if "get no gradient" in str(w.message)]

@@ -6,9 +6,11 @@ Reformer's shared Q/K in ``lsh``) on every head of a layer leaves that layer's Q
 projection out of the loss: its weights, and LoRA or BitFit parameters a tuner puts on it,
 get no gradient and keep their initial values while counting as trainable.
 :func:`unread_projections` lists such projections after surgery; :func:`untrained_warning`
-names the trainable parameters among them once the tuner is applied (the runner prints it
-for every tuner but full fine-tuning, where the unchanged projections are the plan's known
-effect, not a target choice).
+names the trainable parameters among them once the tuner is applied. The runner warns with
+it for the tuners that adapt the modules a user names (LoRA's ``target_modules``), where
+the targets are a choice; the tuners that train every weight or every bias (full, BitFit,
+Diff-Prune, ``wo_sparse``, ``mae``) leave those few parameters unchanged as the plan's
+documented effect, with nothing to choose.
 A fused Q/K/V projection is read as long as v is, so it is never listed.
 """
 
@@ -74,5 +76,6 @@ def untrained_warning(model: nn.Module, unread: list[Unread]) -> str | None:
     mechs = ", ".join(sorted({m for u in hit for m in u.mechanisms}))
     example = next(iter(hit.values()))[0]
     return (f"{count} trainable parameter(s) in the {roles} projections of layer(s) {layers} "
-            f"get no gradient and will not train (e.g. {example}): no head of those layers "
-            f"reads them ({mechs}); leave {roles} out of the tuner's targets there")
+            f"get no gradient from the task loss (e.g. {example}): no head of those layers "
+            f"reads them ({mechs}); leave {roles} out of target_modules, or keep a mechanism "
+            f"that reads them on some head of those layers")

@@ -3,7 +3,7 @@
 1. resolve the config and make ``runs/<name>/`` (config.yaml, plan.json);
 2. load the task's train and eval splits (seeded subset if asked);
 3. build the model with the task's head (embedded MiniLM, a path, or ``scratch:SIZE``);
-4. apply the attention plan, then the tuner (warning when the tuner trains a Q or K
+4. apply the attention plan, then the tuner (warning when LoRA's targets include a Q or K
    projection no head of its layer reads, ``hf.unread``);
 5. train with ``train.loop.fit`` (Accelerate), evaluating on the dev split; tuners whose
    ``finalize`` changes the model (Diff-Prune's magnitude pruning) finalize the best model,
@@ -176,7 +176,8 @@ def _prepare(cfg: ExperimentConfig, accelerator) -> _Run:
     unread = unread_projections(model) if plan is not None else []
     tuner, tcfg = resolve_tuning(cfg.tuning.method)
     model = tuner.apply(model, tcfg, task=TaskInfo.from_tokenizer(tok, task_kind(task)))
-    dead = untrained_warning(model, unread) if tcfg.name != "full" else None
+    # tuners that adapt the modules a user names: the targets are a choice (hf.unread)
+    dead = untrained_warning(model, unread) if hasattr(tcfg, "target_modules") else None
     if dead is not None and accelerator.is_main_process:
         warnings.warn(f"{tcfg.name}: {dead}", stacklevel=2)
     if accelerator.is_main_process:
