@@ -284,9 +284,12 @@ def test_blocked_path_without_padding_or_dead_rows(causal, engine):
 
 @pytest.mark.parametrize("chunk", [4000, 20_000, 1 << 22])  # part of a head, heads, all
 @pytest.mark.parametrize("padded", [True, False])  # chunks per batch element / across it
-def test_blocked_chunking_is_invisible(chunk, padded, monkeypatch, engine):
+@pytest.mark.parametrize("spec", [  # extra keys shared by every block / per block
+    "longformer(window=9, global_tokens=[1])",
+    "bigbird(block=16, window_blocks=3, num_random_blocks=1)"])
+def test_blocked_chunking_is_invisible(chunk, padded, spec, monkeypatch, engine):
     monkeypatch.setattr(_blocklayout, "CHUNK_ELEMS", chunk)
-    mech = build("longformer(window=9, global_tokens=[1])", heads=3)
+    mech = build(spec, heads=3)
     q, k, v = _qkv(N_FAST, h=3, seed=5)
     lengths = torch.tensor([N_FAST, 200, 40] if padded else [N_FAST] * 3)
     key_mask = torch.arange(N_FAST)[None, :] < lengths[:, None]
