@@ -37,6 +37,18 @@ def test_lists_the_projections_no_head_reads():
     assert unread_projections(make_tiny_bert("BertForSequenceClassification")) == []
 
 
+def test_the_surgery_report_says_it():
+    model = make_tiny_bert("BertForSequenceClassification", num_labels=2)
+    report = apply_plan(model, PLAN, max_len=16)
+    assert report.unread == {0: ("query", "key"), 1: ("key",)}
+    assert report.to_dict()["unread"] == {"0": ["query", "key"], "1": ["key"]}
+    line = ("not read by any head (no gradient from the task loss): layer 0: query/key; "
+            "layer 1: key")
+    assert line in str(report) and line in report.to_markdown()
+    plain = apply_plan(make_tiny_bert(), "2:0,1:synthesizer", max_len=16)
+    assert plain.unread == {} and "not read" not in str(plain)
+
+
 def test_listed_projections_are_exactly_the_ones_without_gradient(padded_batch):
     model = _model().train()
     model(**padded_batch, labels=torch.tensor([0, 1, 1])).loss.backward()

@@ -42,6 +42,8 @@ from .backend import (
 )
 from .plan import Plan, PlanError
 
+ROLES = ("query", "key")  # the projections a plan can leave unread, Q then K
+
 SURGERY_ATTR = "_attnlab_surgery"  # base-model attribute: the applied (plan, report)
 
 
@@ -68,6 +70,9 @@ class SurgeryReport:
     kv_heads: dict[int, int] = field(default_factory=dict)  # layer -> K/V heads after shrink
     head_dims: dict[int, tuple[int, int]] = field(default_factory=dict)  # layer -> (dk, dv)
     plan: Plan = field(default_factory=Plan)
+    # layer -> the projections no head of it reads ("query", "key"; ``caps.reads()``): they
+    # get no gradient from the task loss (``hf.unread``); a fused Q/K/V is never listed
+    unread: dict[int, tuple[str, ...]] = field(default_factory=dict)
 
     @property
     def counts(self) -> dict[str, int]:
@@ -107,6 +112,7 @@ class SurgeryReport:
             "kv_heads": {str(k): v for k, v in self.kv_heads.items()},
             "head_dims": {str(k): list(v) for k, v in self.head_dims.items()},
             "plan": self.plan.to_list(),
+            "unread": {str(k): list(v) for k, v in self.unread.items()},
         }
 
     def _legend(self) -> list[str]:
@@ -129,7 +135,7 @@ class SurgeryReport:
             if i in self.head_dims:
                 kv += "  [head dims: dk={}, dv={}]".format(*self.head_dims[i])
             lines.append(f"{str(i).rjust(5)} | {cells}{kv}")
-        lines += ["", *self._legend(), self._params_line()]
+        lines += ["", *self._legend(), self._params_line(), *self._unread_lines()]
         return "\n".join(lines)
 
     def _params_line(self) -> str:
@@ -137,6 +143,13 @@ class SurgeryReport:
         if self.params_removed:
             line += f"; removed by K/V or head shrink: {self.params_removed:,}"
         return line
+
+    def _unread_lines(self) -> list[str]:
+        """One line naming the projections no head reads, or none."""
+        if not self.unread:
+            return []
+        where = "; ".join(f"layer {i}: {'/'.join(r)}" for i, r in sorted(self.unread.items()))
+        return [f"not read by any head (no gradient from the task loss): {where}"]
 
     def to_markdown(self) -> str:
         labels = self.labels()
@@ -146,7 +159,8 @@ class SurgeryReport:
                 for i, row in enumerate(self.table)]
         legend = [f"- `{lab}` = `{spec}` ({self.counts[spec]} heads)"
                   for spec, lab in labels.items()]
-        return "\n".join([head, sep, *rows, "", *legend, "", self._params_line()])
+        return "\n".join([head, sep, *rows, "", *legend, "", self._params_line(),
+                          *self._unread_lines()])
 
     def __rich__(self):
         """Compact grid for terminals: one letter per distinct mechanism, then a legend."""
@@ -161,7 +175,8 @@ class SurgeryReport:
             t.add_row(str(i), *(letter[s] for s in row))
         counts = self.counts
         legend = [f"  {letter[s]} = {s}  ({counts[s]} heads)" for s in specs]
-        return Group(t, *legend, "  " + self._params_line())
+        return Group(t, *legend, "  " + self._params_line(),
+                     *("  " + line for line in self._unread_lines()))
 
 
 # ----------------------------------------------------------------------------------- helpers
@@ -506,6 +521,7 @@ def apply_plan(model: nn.Module, plan: Any, *, max_len: int | None = None,
     counted: set[int] = set()
     kv_by_layer: dict[int, int] = {}
     dims_by_layer: dict[int, tuple[int, int]] = {}
+    unread: dict[int, tuple[str, ...]] = {}
     for layer, attn in enumerate(host.attention):
         groups = built[layer]
         kv = hd = None
@@ -538,6 +554,10 @@ def apply_plan(model: nn.Module, plan: Any, *, max_len: int | None = None,
             params_removed += sum(p.numel() for lin in old_qk for p in lin.parameters())
             params_added += sum(p.numel() for lin in new_qk for p in lin.parameters())
         new = AttnlabLayer(layer, host.num_heads, groups, holder, kv_heads=kv, head_dims=hd)
+        reads = [mech.caps.reads() for _, mech in groups]
+        roles = tuple(role for i, role in enumerate(ROLES) if not any(r[i] for r in reads))
+        if roles and not host.fused:
+            unread[layer] = roles
         new.train(attn.training)  # the host's mode: a model in eval stays in eval
         setattr(attn, LAYER_ATTR, new)
         params_added += sum(p.numel() for p in new.parameters() if id(p) not in counted)
@@ -557,6 +577,7 @@ def apply_plan(model: nn.Module, plan: Any, *, max_len: int | None = None,
         kv_heads=kv_by_layer,
         head_dims=dims_by_layer,
         plan=plan,
+        unread=unread,
     )
     setattr(host.base, SURGERY_ATTR, report)
     return report

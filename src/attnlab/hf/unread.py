@@ -22,8 +22,7 @@ from torch import nn
 
 from .arch import inspect_model
 from .backend import LAYER_ATTR, AttnlabLayer
-
-ROLES = ("query", "key")
+from .surgery import ROLES, applied_report
 
 
 @dataclass(frozen=True)
@@ -37,22 +36,21 @@ class Unread:
 
 
 def unread_projections(model: nn.Module) -> list[Unread]:
-    """The Q and K projections of ``model`` (after :func:`~attnlab.hf.apply_plan`) that no
-    head of their layer reads; [] for a model without a plan or with a fused projection."""
-    host = inspect_model(model)
-    if host.fused:
+    """The Q and K projections of ``model`` that no head of their layer reads, as the
+    applied plan's report lists them (``SurgeryReport.unread``); [] without a plan."""
+    report = applied_report(model)
+    if report is None or not report.unread:
         return []
+    host = inspect_model(model)
     paths = {id(m): name for name, m in model.named_modules()}
     found = []
-    for layer, attn in enumerate(host.attention):
-        installed = getattr(attn, LAYER_ATTR, None)
-        if not isinstance(installed, AttnlabLayer):
-            continue
-        reads = [mech.caps.reads() for mech in installed._mechs()]
-        for i, role in enumerate(ROLES):
-            if not any(r[i] for r in reads):
-                proj = getattr(attn, host.proj[i])
-                found.append(Unread(paths[id(proj)], layer, role, tuple(installed.names())))
+    for layer, roles in sorted(report.unread.items()):
+        attn = host.attention[layer]
+        installed = getattr(attn, LAYER_ATTR)
+        assert isinstance(installed, AttnlabLayer)
+        for role in roles:
+            proj = getattr(attn, host.proj[ROLES.index(role)])
+            found.append(Unread(paths[id(proj)], layer, role, tuple(installed.names())))
     return found
 
 
