@@ -110,3 +110,22 @@ def test_tuners_without_targets_are_not_warned(tmp_path, recwarn, method):
                                     f"tuning.method={method}"])
     run_experiment(cfg)
     assert not [w for w in recwarn if "get no gradient" in str(w.message)]
+
+
+def test_the_fix_names_the_family_s_own_modules():
+    """DistilBERT's projections are q_lin / k_lin: the warning names those, not BERT's."""
+    from transformers import DistilBertConfig, DistilBertForSequenceClassification
+
+    torch.manual_seed(0)
+    model = DistilBertForSequenceClassification(DistilBertConfig(
+        vocab_size=100, dim=32, n_layers=2, n_heads=4, hidden_dim=64,
+        max_position_embeddings=64))
+    apply_plan(model, "1:all:synthesizer", max_len=16)
+    unread = unread_projections(model)
+    assert [(u.layer, u.role, u.path) for u in unread] == [
+        (1, "key", "distilbert.transformer.layer.1.attention.k_lin")]
+    tuner, cfg = resolve_tuning("lora(r=2, target_modules=('q_lin', 'k_lin', 'v_lin'))")
+    msg = untrained_warning(tuner.apply(model, cfg), unread)
+    assert msg is not None and msg.startswith("2 trainable parameter(s) in the k_lin "
+                                              "projections of layer(s) 1")
+    assert "leave k_lin out of target_modules" in msg

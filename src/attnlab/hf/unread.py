@@ -69,11 +69,13 @@ def untrained_warning(model: nn.Module, unread: list[Unread]) -> str | None:
     if not hit:
         return None
     count = sum(len(names) for names in hit.values())
-    roles = "/".join(r for r in ROLES if any(u.role == r for u in hit))
+    # the projections' own module names (query, q_lin, q_proj, ...), Q before K
+    modules = "/".join(dict.fromkeys(u.path.rsplit(".", 1)[-1]
+                                     for u in sorted(hit, key=lambda u: ROLES.index(u.role))))
     layers = ", ".join(str(x) for x in sorted({u.layer for u in hit}))
     mechs = ", ".join(sorted({m for u in hit for m in u.mechanisms}))
     example = next(iter(hit.values()))[0]
-    return (f"{count} trainable parameter(s) in the {roles} projections of layer(s) {layers} "
-            f"get no gradient from the task loss (e.g. {example}): no head of those layers "
-            f"reads them ({mechs}); leave {roles} out of target_modules, or keep a mechanism "
-            f"that reads them on some head of those layers")
+    return (f"{count} trainable parameter(s) in the {modules} projections of layer(s) "
+            f"{layers} get no gradient from the task loss (e.g. {example}): no head of those "
+            f"layers reads them ({mechs}); leave {modules} out of target_modules, or keep a "
+            f"mechanism that reads them on some head of those layers")
