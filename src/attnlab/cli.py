@@ -16,6 +16,7 @@ from typing import Annotated, cast
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from .cli_analyze import analyze_app, report
 from .cli_bench import bench_jat, bench_lra, bench_record, bench_sparse, bench_speed
@@ -174,8 +175,10 @@ def validate(config: str, overrides: Overrides = None) -> None:
 
     cfg = _load(config, overrides)
     with user_errors():
-        preflight(cfg, load_data=True)
+        notes = preflight(cfg, load_data=True)
     console.print(resolved_yaml(with_optim_defaults(cfg)), markup=False)
+    for note in notes:
+        console.print(Text.assemble(("warning:", "bold yellow"), f" {note}"), soft_wrap=True)
     console.print("[green]config is valid[/]")
 
 

@@ -129,3 +129,25 @@ def test_the_fix_names_the_family_s_own_modules():
     assert msg is not None and msg.startswith("2 trainable parameter(s) in the k_lin "
                                               "projections of layer(s) 1")
     assert "leave k_lin out of target_modules" in msg
+
+
+@pytest.mark.parametrize("method, expected", [
+    ("lora(r=2, target_modules=('query', 'key'))", "the query/key projections of layer(s) 0"),
+    ("lora(r=2)", "the query projections of layer(s) 0"),  # BERT's default: query, value
+    ("bitfit", None),
+])
+def test_validate_warns_from_the_config_alone(tmp_path, method, expected):
+    """`attnlab validate` gives the LoRA warning before anything is built or trained."""
+    from typer.testing import CliRunner
+
+    from attnlab.cli import app
+
+    args = ["task.data_dir=builtin", "model.name=scratch:tiny", f"output_dir={tmp_path}",
+            f"tuning.method={method}", MEGA0]
+    res = CliRunner().invoke(app, ["validate", *args])
+    assert res.exit_code == 0 and "config is valid" in res.output, res.output
+    text = " ".join(res.output.split())
+    if expected is None:
+        assert "warning:" not in text
+    else:
+        assert f"warning: lora: target_modules include {expected}" in text, text

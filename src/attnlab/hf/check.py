@@ -31,7 +31,7 @@ from transformers import AutoModel
 from ..models import model_config
 from .arch import FAMILIES, UNSUPPORTED, UnsupportedModelError, inspect_model
 from .plan import Plan
-from .surgery import _build, _validate
+from .surgery import ROLES, _build, _validate, unread_roles
 
 _FIX = ("set model.name to 'default' (the embedded MiniLM), 'scratch:SIZE', or a local folder "
         "of a supported encoder ({families})")
@@ -73,12 +73,15 @@ def _meta_model(config: Any, name: str) -> torch.nn.Module:
         ) from None
 
 
-def check_model_config(model: Any, plan: Any = None, *, max_len: int | None = None) -> None:
+def check_model_config(model: Any, plan: Any = None, *, max_len: int | None = None
+                       ) -> list[tuple[int, str, str]]:
     """Raise if ``attnlab run`` would refuse ``model`` with ``plan``; see the module doc.
 
     model: ``"default"``, ``"scratch:SIZE"``, a folder or hub name, or a ``PretrainedConfig``.
     plan: anything :meth:`Plan.parse` takes (None or empty: the model alone is checked).
     max_len: as :func:`apply_plan`'s (None: the model's ``max_position_embeddings``).
+    Returns the projections the plan leaves unread (``SurgeryReport.unread``, ``hf.unread``)
+    as (layer, role, module name), e.g. ``(0, "query", "query")`` or ``(1, "key", "k_lin")``.
     """
     config = load_model_config(model)
     name = model if isinstance(model, str) else type(config).__name__
@@ -96,4 +99,6 @@ def check_model_config(model: Any, plan: Any = None, *, max_len: int | None = No
     if max_len is None:
         max_len = host.max_len
     layers = _validate(parsed, host, max_len)
-    _build(parsed, host, layers, max_len)
+    built = _build(parsed, host, layers, max_len)
+    return [(layer, role, host.proj[ROLES.index(role)])
+            for layer, roles in sorted(unread_roles(host, built).items()) for role in roles]

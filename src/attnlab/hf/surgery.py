@@ -305,6 +305,21 @@ def _build(plan: Plan, host: Host, layers, max_len: int | None):
     return built
 
 
+def unread_roles(host: Host, built) -> dict[int, tuple[str, ...]]:
+    """layer -> the projections (``ROLES``) no head of it reads, from the mechanisms
+    ``_build`` built for the plan (``caps.reads()``); none for a fused Q/K/V projection,
+    which v reads."""
+    if host.fused:
+        return {}
+    unread = {}
+    for layer, groups in built.items():
+        reads = [mech.caps.reads() for _, mech in groups]
+        roles = tuple(role for i, role in enumerate(ROLES) if not any(r[i] for r in reads))
+        if roles:
+            unread[layer] = roles
+    return unread
+
+
 def _tie(built) -> None:
     """Call each mechanism class's optional ``tie(instances)`` once per config with every
     instance built from it, in layer order (cross-layer parameter sharing; see Mechanism)."""
@@ -521,7 +536,6 @@ def apply_plan(model: nn.Module, plan: Any, *, max_len: int | None = None,
     counted: set[int] = set()
     kv_by_layer: dict[int, int] = {}
     dims_by_layer: dict[int, tuple[int, int]] = {}
-    unread: dict[int, tuple[str, ...]] = {}
     for layer, attn in enumerate(host.attention):
         groups = built[layer]
         kv = hd = None
@@ -554,10 +568,6 @@ def apply_plan(model: nn.Module, plan: Any, *, max_len: int | None = None,
             params_removed += sum(p.numel() for lin in old_qk for p in lin.parameters())
             params_added += sum(p.numel() for lin in new_qk for p in lin.parameters())
         new = AttnlabLayer(layer, host.num_heads, groups, holder, kv_heads=kv, head_dims=hd)
-        reads = [mech.caps.reads() for _, mech in groups]
-        roles = tuple(role for i, role in enumerate(ROLES) if not any(r[i] for r in reads))
-        if roles and not host.fused:
-            unread[layer] = roles
         new.train(attn.training)  # the host's mode: a model in eval stays in eval
         setattr(attn, LAYER_ATTR, new)
         params_added += sum(p.numel() for p in new.parameters() if id(p) not in counted)
@@ -577,7 +587,7 @@ def apply_plan(model: nn.Module, plan: Any, *, max_len: int | None = None,
         kv_heads=kv_by_layer,
         head_dims=dims_by_layer,
         plan=plan,
-        unread=unread,
+        unread=unread_roles(host, built),
     )
     setattr(host.base, SURGERY_ATTR, report)
     return report

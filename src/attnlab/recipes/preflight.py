@@ -85,8 +85,10 @@ def check_task_ids(plan: Plan | None, task_id: int | None) -> None:
                               f"(ids 0..{tasks - 1}); pick an id below its tasks")
 
 
-def preflight(cfg: ExperimentConfig, load_data: bool = False) -> None:
-    """Raise the first problem that would stop ``cfg`` from running (nothing is written)."""
+def preflight(cfg: ExperimentConfig, load_data: bool = False) -> list[str]:
+    """Raise the first problem that would stop ``cfg`` from running (nothing is written).
+    Returns warnings that do not stop it (``validate`` prints them; ``run`` gives its own
+    when it builds the model)."""
     task = get_task(cfg.task.name)
     for key, split in (("task.train_split", cfg.task.train_split),
                        ("task.eval_split", cfg.task.eval_split)):
@@ -100,7 +102,7 @@ def preflight(cfg: ExperimentConfig, load_data: bool = False) -> None:
     check_model_name(cfg.model.name)
     check_attn_implementation(cfg.model.attn_implementation)
     plan = check_run_selectors(cfg)  # class:/score selectors: an analysis, known names
-    check_model_config(cfg.model.name, plan or None)  # architecture + plan, no weights
+    unread = check_model_config(cfg.model.name, plan or None)  # architecture + plan
     check_tuner_fits(cfg, plan or None)
     if cfg.task.data_dir is None:
         require_package("datasets", "hub", f"task.data_dir: null (task {task.name!r} from "
@@ -115,6 +117,32 @@ def preflight(cfg: ExperimentConfig, load_data: bool = False) -> None:
         nonempty(task.load(train_split, cfg.task.data_dir), cfg, train_split)
         for split in eval_splits_of(cfg, task):
             nonempty(task.load(split, cfg.task.data_dir), cfg, split)
+    dead = unread_lora_targets(cfg, unread)
+    return [dead] if dead is not None else []
+
+
+def unread_lora_targets(cfg: ExperimentConfig, unread: list[tuple[int, str, str]]
+                        ) -> str | None:
+    """The warning ``run`` gives (``hf.unread``) from the config alone: LoRA's target
+    modules (the config's or the model type's default) include projections the plan
+    leaves unread (``check_model_config``'s (layer, role, module name)); else None."""
+    from ..tuning.peft import LoraTunerConfig, default_lora_targets
+
+    _, tuner_cfg = resolve_tuning(cfg.tuning.method)
+    if not unread or not isinstance(tuner_cfg, LoraTunerConfig):
+        return None
+    model_type = str(getattr(load_model_config(cfg.model.name), "model_type", "") or "")
+    targets = tuner_cfg.target_modules or default_lora_targets(model_type) or ()
+    leaves = {t.rsplit(".", 1)[-1] for t in targets}  # peft matches the end of a name
+    hit = [(layer, name) for layer, _, name in unread if name in leaves]
+    if not hit:
+        return None
+    names = "/".join(dict.fromkeys(name for _, name in hit))
+    layers = ", ".join(str(x) for x in sorted({layer for layer, _ in hit}))
+    return (f"lora: target_modules include the {names} projections of layer(s) {layers}, "
+            f"which no head of those layers reads: their LoRA matrices get no gradient from "
+            f"the task loss; leave {names} out of target_modules, or keep a mechanism that "
+            f"reads them on some head of those layers")
 
 
 def check_tuner_fits(cfg: ExperimentConfig, plan: Plan | None) -> None:

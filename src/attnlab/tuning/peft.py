@@ -105,6 +105,16 @@ LORA_TARGETS: dict[str, tuple[str, ...]] = {
 }
 
 
+def default_lora_targets(family: str) -> tuple[str, ...] | None:
+    """The modules LoRA adapts by default on model type ``family``: peft's default, else
+    ``LORA_TARGETS``; None when neither has one (``lora_targets`` then refuses)."""
+    from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_DEFAULTS
+
+    if family in PEFT_DEFAULTS:
+        return tuple(PEFT_DEFAULTS[family])
+    return LORA_TARGETS.get(family)
+
+
 def lora_targets(model: nn.Module, cfg: LoraTunerConfig) -> list[str] | None:
     """The modules LoRA adapts: the config's, else peft's default for the model type (None),
     else ``LORA_TARGETS``; a model type with none of these is an UnsupportedModelError
