@@ -31,7 +31,8 @@ from transformers import AutoModel
 from ..models import model_config
 from .arch import FAMILIES, UNSUPPORTED, UnsupportedModelError, inspect_model
 from .plan import Plan
-from .surgery import ROLES, _build, _validate, unread_roles
+from .surgery import _build, _validate
+from .unread import ROLES, unread_layers
 
 _FIX = ("set model.name to 'default' (the embedded MiniLM), 'scratch:SIZE', or a local folder "
         "of a supported encoder ({families})")
@@ -101,4 +102,4 @@ def check_model_config(model: Any, plan: Any = None, *, max_len: int | None = No
     layers = _validate(parsed, host, max_len)
     built = _build(parsed, host, layers, max_len)
     return [(layer, role, host.proj[ROLES.index(role)])
-            for layer, roles in sorted(unread_roles(host, built).items()) for role in roles]
+            for layer, roles in sorted(unread_layers(built, host.fused).items()) for role in roles]

@@ -41,8 +41,7 @@ from .backend import (
     register_backend,
 )
 from .plan import Plan, PlanError
-
-ROLES = ("query", "key")  # the projections a plan can leave unread, Q then K
+from .unread import unread_layers
 
 SURGERY_ATTR = "_attnlab_surgery"  # base-model attribute: the applied (plan, report)
 
@@ -70,8 +69,7 @@ class SurgeryReport:
     kv_heads: dict[int, int] = field(default_factory=dict)  # layer -> K/V heads after shrink
     head_dims: dict[int, tuple[int, int]] = field(default_factory=dict)  # layer -> (dk, dv)
     plan: Plan = field(default_factory=Plan)
-    # layer -> the projections no head of it reads ("query", "key"; ``caps.reads()``): they
-    # get no gradient from the task loss (``hf.unread``); a fused Q/K/V is never listed
+    # layer -> the projections no head of it reads ("query", "key"; ``hf.unread``)
     unread: dict[int, tuple[str, ...]] = field(default_factory=dict)
 
     @property
@@ -303,21 +301,6 @@ def _build(plan: Plan, host: Host, layers, max_len: int | None):
         built[layer] = mechs
     _tie(built)
     return built
-
-
-def unread_roles(host: Host, built) -> dict[int, tuple[str, ...]]:
-    """layer -> the projections (``ROLES``) no head of it reads, from the mechanisms
-    ``_build`` built for the plan (``caps.reads()``); none for a fused Q/K/V projection,
-    which v reads."""
-    if host.fused:
-        return {}
-    unread = {}
-    for layer, groups in built.items():
-        reads = [mech.caps.reads() for _, mech in groups]
-        roles = tuple(role for i, role in enumerate(ROLES) if not any(r[i] for r in reads))
-        if roles:
-            unread[layer] = roles
-    return unread
 
 
 def _tie(built) -> None:
@@ -587,7 +570,7 @@ def apply_plan(model: nn.Module, plan: Any, *, max_len: int | None = None,
         kv_heads=kv_by_layer,
         head_dims=dims_by_layer,
         plan=plan,
-        unread=unread_roles(host, built),
+        unread=unread_layers(built, host.fused),
     )
     setattr(host.base, SURGERY_ATTR, report)
     return report

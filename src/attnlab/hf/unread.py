@@ -16,13 +16,34 @@ A fused Q/K/V projection is read as long as v is, so it is never listed.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from .arch import inspect_model
 from .backend import LAYER_ATTR, AttnlabLayer
-from .surgery import ROLES, applied_report
+
+if TYPE_CHECKING:
+    from .surgery import SurgeryReport
+
+ROLES = ("query", "key")  # the projections a plan can leave unread, Q then K
+
+
+def unread_layers(built: dict[int, Any], fused: bool) -> dict[int, tuple[str, ...]]:
+    """layer -> the projections (``ROLES``) no head of it reads, for the mechanisms surgery
+    built for a plan (``built``: layer -> [(heads, mechanism)]; ``caps.reads()``); none for
+    a fused Q/K/V projection, which v reads. ``SurgeryReport.unread``."""
+    if fused:
+        return {}
+    found = {layer: _unread(mech for _, mech in groups) for layer, groups in built.items()}
+    return {layer: roles for layer, roles in found.items() if roles}
+
+
+def _unread(mechanisms: Iterable[Any]) -> tuple[str, ...]:
+    reads = [mech.caps.reads() for mech in mechanisms]
+    return tuple(role for i, role in enumerate(ROLES) if not any(r[i] for r in reads))
 
 
 @dataclass(frozen=True)
@@ -35,10 +56,9 @@ class Unread:
     mechanisms: tuple[str, ...]  # the layer's mechanism names
 
 
-def unread_projections(model: nn.Module) -> list[Unread]:
+def unread_projections(model: nn.Module, report: SurgeryReport | None) -> list[Unread]:
     """The Q and K projections of ``model`` that no head of their layer reads, as the
-    applied plan's report lists them (``SurgeryReport.unread``); [] without a plan."""
-    report = applied_report(model)
+    report of the plan applied to it lists them (``report.unread``); [] for None."""
     if report is None or not report.unread:
         return []
     host = inspect_model(model)
@@ -52,6 +72,12 @@ def unread_projections(model: nn.Module) -> list[Unread]:
             proj = getattr(attn, host.proj[ROLES.index(role)])
             found.append(Unread(paths[id(proj)], layer, role, tuple(installed.names())))
     return found
+
+
+def fix(modules: str) -> str:
+    """The fix both warnings name (``untrained_warning`` and ``validate``'s)."""
+    return (f"leave {modules} out of target_modules, or keep a mechanism that reads them on "
+            "some head of those layers")
 
 
 def _under(param: str, path: str) -> bool:
@@ -77,5 +103,4 @@ def untrained_warning(model: nn.Module, unread: list[Unread]) -> str | None:
     example = next(iter(hit.values()))[0]
     return (f"{count} trainable parameter(s) in the {modules} projections of layer(s) "
             f"{layers} get no gradient from the task loss (e.g. {example}): no head of those "
-            f"layers reads them ({mechs}); leave {modules} out of target_modules, or keep a "
-            f"mechanism that reads them on some head of those layers")
+            f"layers reads them ({mechs}); {fix(modules)}")

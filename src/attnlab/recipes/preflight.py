@@ -126,6 +126,7 @@ def unread_lora_targets(cfg: ExperimentConfig, unread: list[tuple[int, str, str]
     """The warning ``run`` gives (``hf.unread``) from the config alone: LoRA's target
     modules (the config's or the model type's default) include projections the plan
     leaves unread (``check_model_config``'s (layer, role, module name)); else None."""
+    from ..hf.unread import fix
     from ..tuning.peft import LoraTunerConfig, default_lora_targets
 
     _, tuner_cfg = resolve_tuning(cfg.tuning.method)
@@ -141,8 +142,7 @@ def unread_lora_targets(cfg: ExperimentConfig, unread: list[tuple[int, str, str]
     layers = ", ".join(str(x) for x in sorted({layer for layer, _ in hit}))
     return (f"lora: target_modules include the {names} projections of layer(s) {layers}, "
             f"which no head of those layers reads: their LoRA matrices get no gradient from "
-            f"the task loss; leave {names} out of target_modules, or keep a mechanism that "
-            f"reads them on some head of those layers")
+            f"the task loss; {fix(names)}")
 
 
 def check_tuner_fits(cfg: ExperimentConfig, plan: Plan | None) -> None:
