@@ -26,14 +26,14 @@ SELF = "bert.encoder.layer.{}.attention.self.{}"
 
 def _model():
     model = make_tiny_bert("BertForSequenceClassification", num_labels=2)
-    return model, apply_plan(model, PLAN, max_len=16)
+    return model, apply_plan(model, PLAN, max_len=16).unread
 
 
 def test_lists_the_projections_no_head_reads():
     got = {(u.layer, u.role, u.path) for u in unread_projections(*_model())}
     assert got == {(0, "query", SELF.format(0, "query")), (0, "key", SELF.format(0, "key")),
                    (1, "key", SELF.format(1, "key"))}
-    assert unread_projections(make_tiny_bert("BertForSequenceClassification"), None) == []
+    assert unread_projections(make_tiny_bert("BertForSequenceClassification"), {}) == []
 
 
 def test_the_surgery_report_says_it():
@@ -49,9 +49,9 @@ def test_the_surgery_report_says_it():
 
 
 def test_listed_projections_are_exactly_the_ones_without_gradient(padded_batch):
-    model, report = _model()
+    model, roles = _model()
     model.train()(**padded_batch, labels=torch.tensor([0, 1, 1])).loss.backward()
-    listed = {u.path for u in unread_projections(model, report)}
+    listed = {u.path for u in unread_projections(model, roles)}
     for layer in range(3):
         for role in ("query", "key"):
             path = SELF.format(layer, role)
@@ -65,8 +65,8 @@ def test_listed_projections_are_exactly_the_ones_without_gradient(padded_batch):
     ("bitfit", "bert.encoder.layer.0.attention.self.query.bias"),
 ])
 def test_tuner_on_unread_projections_is_named(method, example):
-    model, report = _model()
-    unread = unread_projections(model, report)
+    model, roles = _model()
+    unread = unread_projections(model, roles)
     tuner, cfg = resolve_tuning(method)
     tuned = tuner.apply(model, cfg)
     msg = untrained_warning(tuned, unread)
@@ -80,8 +80,8 @@ def test_tuner_on_unread_projections_is_named(method, example):
 
 
 def test_nothing_to_say_when_the_targets_are_read():
-    model, report = _model()
-    unread = unread_projections(model, report)
+    model, roles = _model()
+    unread = unread_projections(model, roles)
     tuner, cfg = resolve_tuning("lora(r=2, target_modules=('value',))")
     assert untrained_warning(tuner.apply(model, cfg), unread) is None
 
@@ -119,7 +119,7 @@ def test_the_fix_names_the_family_s_own_modules():
     model = DistilBertForSequenceClassification(DistilBertConfig(
         vocab_size=100, dim=32, n_layers=2, n_heads=4, hidden_dim=64,
         max_position_embeddings=64))
-    unread = unread_projections(model, apply_plan(model, "1:all:synthesizer", max_len=16))
+    unread = unread_projections(model, apply_plan(model, "1:all:synthesizer", max_len=16).unread)
     assert [(u.layer, u.role, u.path) for u in unread] == [
         (1, "key", "distilbert.transformer.layer.1.attention.k_lin")]
     tuner, cfg = resolve_tuning("lora(r=2, target_modules=('q_lin', 'k_lin', 'v_lin'))")

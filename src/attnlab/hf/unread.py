@@ -16,17 +16,14 @@ A fused Q/K/V projection is read as long as v is, so it is never listed.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import nn
 
 from .arch import inspect_model
 from .backend import LAYER_ATTR, AttnlabLayer
-
-if TYPE_CHECKING:
-    from .surgery import SurgeryReport
 
 ROLES = ("query", "key")  # the projections a plan can leave unread, Q then K
 
@@ -56,15 +53,16 @@ class Unread:
     mechanisms: tuple[str, ...]  # the layer's mechanism names
 
 
-def unread_projections(model: nn.Module, report: SurgeryReport | None) -> list[Unread]:
-    """The Q and K projections of ``model`` that no head of their layer reads, as the
-    report of the plan applied to it lists them (``report.unread``); [] for None."""
-    if report is None or not report.unread:
+def unread_projections(model: nn.Module, unread: Mapping[int, tuple[str, ...]]
+                       ) -> list[Unread]:
+    """The Q and K projections of ``model`` that no head of their layer reads, given the
+    ``SurgeryReport.unread`` of the plan applied to it (layer -> roles)."""
+    if not unread:
         return []
     host = inspect_model(model)
     paths = {id(m): name for name, m in model.named_modules()}
     found = []
-    for layer, roles in sorted(report.unread.items()):
+    for layer, roles in sorted(unread.items()):
         attn = host.attention[layer]
         installed = getattr(attn, LAYER_ATTR)
         assert isinstance(installed, AttnlabLayer)

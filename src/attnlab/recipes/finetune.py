@@ -173,7 +173,7 @@ def _prepare(cfg: ExperimentConfig, accelerator) -> _Run:
     set_seed(cfg.seed)  # model init (new heads) depends only on the seed
     model, tok = build_model(cfg, task)
     plan, report = apply_run_plan(model, cfg)
-    unread = unread_projections(model, report)  # [] without a plan
+    unread = unread_projections(model, report.unread if report is not None else {})
     tuner, tcfg = resolve_tuning(cfg.tuning.method)
     model = tuner.apply(model, tcfg, task=TaskInfo.from_tokenizer(tok, task_kind(task)))
     # tuners that adapt the modules a user names: the targets are a choice (hf.unread)
