@@ -474,8 +474,9 @@ class Routing(nn.Module):
     Training (train mode only): after the forward, each unpadded q^ and k^ joins its nearest
     centroid (argmax x^ . mu_c), and mu_c <- normalise(lambda mu_c + (1 - lambda) mean of its
     members) (clusters with no member keep mu_c), applied when the backward reaches q (at
-    once when q needs no gradient; a forward whose graph is never backpropagated does not
-    step), so gradient checkpointing neither re-steps nor re-routes; eval mode never
+    once when q needs no gradient; a forward whose graph is never backpropagated, or that
+    runs without gradients, does not step), so gradient checkpointing, reentrant or not,
+    neither re-steps nor re-routes; eval mode never
     updates, so it is deterministic. The centroids are a buffer [h, k, d] (saved with
     the model, no gradient), initialised from a generator seeded by ``seed``.
     Complexity O(n*k*d + k*w^2*d) time (+ O(n log n) top-w), O(k*w^2) memory.
@@ -534,8 +535,12 @@ class Routing(nn.Module):
         no gradient. So gradient checkpointing, which
         recomputes the forward before the backward reaches q, routes the recomputation by
         the centroids the forward used and computes the same ``new`` there without
-        applying it a second time (a hook on a recomputed tensor never fires). Reentrant
-        checkpointing runs its first forward without gradients, so it still steps twice."""
+        applying it a second time (a hook on a recomputed tensor never fires). A forward
+        without gradients (``torch.no_grad`` in train mode, reentrant checkpointing's first
+        forward) has no backward and does not step: reentrant checkpointing steps once, in
+        its recomputation, which routes by the centroids its first forward used."""
+        if not torch.is_grad_enabled():
+            return
         if not q.requires_grad:
             self.centroids.copy_(new)
             return
