@@ -8,11 +8,18 @@ from the global RNG, which is in another state when the folder is loaded (reseed
 and a fresh process with another hash seed in the last test). Length-bound mechanisms
 (``caps.needs_max_len``) are sized by ``max_len=MAX_LEN``, which surgery.json records.
 
+Also ``copy.deepcopy`` and pickling the whole model (``torch.save(model)``), as EMA
+teachers, ensembles and trainers do: before, pickling failed for every mechanism (the
+per-forward state lost its task ids on unpickling) and for ``random`` and
+``sparse_transformer`` (a closure as an attribute).
+
 Tolerance: none; reloaded eval-mode outputs are bit-identical (``torch.equal``).
 """
 
 from __future__ import annotations
 
+import copy
+import io
 import json
 import os
 import subprocess
@@ -25,7 +32,8 @@ from conftest import make_tiny_bert
 import attnlab
 from attnlab import load_pretrained, save_pretrained
 from attnlab.core import mechanism_class
-from attnlab.hf import applied_report, apply_plan
+from attnlab.hf import applied_report, apply_plan, set_task_id
+from attnlab.hf.backend import forward_state
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -124,6 +132,41 @@ def test_reload_after_a_training_step(name, tmp_path):
     loaded = _load_elsewhere(tmp_path)
     _assert_same_state(loaded, model)
     assert torch.equal(_eval_logits(loaded, batch), ref)
+
+
+def _pickled(model):
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_deepcopy_and_pickle_after_a_training_step(name):
+    """A deep copy and a pickled model: same state, bit-identical outputs, and a per-forward
+    state of their own (shared by their layers, not with the original's)."""
+    model, _ = _planned(name)
+    batch = _batch()
+    _train_one_step(model, batch)
+    ref = _eval_logits(model, batch)
+    for twin in (copy.deepcopy(model), _pickled(model)):
+        _assert_same_state(twin, model)
+        assert torch.equal(_eval_logits(twin, batch), ref)
+        holders = {id(m.forward_state) for m in twin.modules() if hasattr(m, "forward_state")}
+        assert holders == {id(forward_state(twin))} != {id(forward_state(model))}
+
+
+def test_copies_keep_the_task_ids():
+    model = make_tiny_bert("BertForSequenceClassification", num_labels=2)
+    apply_plan(model, "all:all:camtl_prior(tasks=3)", max_len=MAX_LEN)
+    set_task_id(model, [2, 0, 1])
+    batch = _batch()
+    ref = _eval_logits(model, batch)
+    for twin in (copy.deepcopy(model), _pickled(model)):
+        assert torch.equal(forward_state(twin).task_ids, torch.tensor([2, 0, 1]))
+        assert torch.equal(_eval_logits(twin, batch), ref)
+        set_task_id(twin, None)  # the copy's ids are its own
+    assert torch.equal(forward_state(model).task_ids, torch.tensor([2, 0, 1]))
 
 
 @pytest.mark.parametrize("name", [n for n in NAMES if mechanism_class(n).caps.needs_max_len])

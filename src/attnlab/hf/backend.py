@@ -16,6 +16,7 @@ function as with "sdpa".
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import warnings
@@ -86,14 +87,17 @@ class ForwardState:
 
     def __deepcopy__(self, memo: dict) -> ForwardState:
         # Per-forward scratch is never worth copying (and holds non-leaf tensors that
-        # deepcopy refuses); a copied model starts with a fresh one.
-        return ForwardState()
+        # deepcopy refuses): a copied model starts with a fresh one, and keeps its task ids.
+        new = ForwardState()
+        new.task_ids = copy.deepcopy(self.task_ids, memo)
+        return new
 
     def __getstate__(self) -> dict:
-        return {}
+        return {"task_ids": self.task_ids}  # pickled (torch.save of a model): as deepcopy
 
     def __setstate__(self, state: dict) -> None:
         self.reset()
+        self.task_ids = state.get("task_ids")
 
     def add_aux(self, loss: torch.Tensor) -> None:
         self.aux_loss = loss if self.aux_loss is None else self.aux_loss + loss

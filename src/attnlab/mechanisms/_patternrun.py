@@ -2,7 +2,7 @@
 
 FlexAttention on CUDA (``_flex``: block-sparse kernels, cached masks), else the pattern's
 fast path where it applies (the blocked engine ``_blocksparse``, or per-query key lists on
-the gathered engine, ``key_list_path``), else dense masked softmax over the pattern's
+the gathered engine, ``key_list_attention``), else dense masked softmax over the pattern's
 ``bias``: SDPA under its mask (``_maskedsdpa``), or the reference itself when the weights
 are returned (``ctx.need_weights``, capture).
 """
@@ -88,19 +88,16 @@ def run_pattern(mech: Pattern, q, k, v, ctx: AttnContext, fast: FastPath | None)
     return AttnOutput(out, probs)
 
 
-def key_list_path(keys: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]) -> FastPath:
-    """A fast path over per-query key lists: ``keys(n, layer_idx)`` -> (idx [n,K],
-    ok [n,K]), the pattern's keys of each query (``core.masks``' ``*_key_list``), run on
-    ``_gathered`` with the causal rule and the key mask added here."""
-
-    def fast(q, k, v, ctx: AttnContext, scale: float, p: float) -> torch.Tensor:
-        n = q.shape[2]
-        idx, ok = (t.to(q.device) for t in keys(n, ctx.layer_idx))  # [n,K]
-        if ctx.causal:
-            ok = ok & (idx <= torch.arange(n, device=q.device)[:, None])
-        allowed = ok[None, None]  # [1,1,n,K]
-        if ctx.key_mask is not None:
-            allowed = allowed & ctx.key_mask.to(device=q.device, dtype=torch.bool)[:, idx][:, None]
-        return _gathered.gathered_attention(q, k, v, idx, allowed, scale=scale, dropout=p)
-
-    return fast
+def key_list_attention(keys: tuple[torch.Tensor, torch.Tensor], q, k, v, ctx: AttnContext,
+                       scale: float, p: float) -> torch.Tensor:
+    """The fast path over per-query key lists: ``keys`` = (idx [n,K], ok [n,K]), the
+    pattern's keys of each query (``core.masks``' ``*_key_list``), run on ``_gathered`` with
+    the causal rule and the key mask added here."""
+    n = q.shape[2]
+    idx, ok = (t.to(q.device) for t in keys)  # [n,K]
+    if ctx.causal:
+        ok = ok & (idx <= torch.arange(n, device=q.device)[:, None])
+    allowed = ok[None, None]  # [1,1,n,K]
+    if ctx.key_mask is not None:
+        allowed = allowed & ctx.key_mask.to(device=q.device, dtype=torch.bool)[:, idx][:, None]
+    return _gathered.gathered_attention(q, k, v, idx, allowed, scale=scale, dropout=p)

@@ -56,7 +56,7 @@ from ..core.masks import (
 from . import _blockflash
 from . import _blockpatterns as bp
 from . import _blocksparse as bs
-from ._patternrun import FastPath, key_list_path, run_pattern
+from ._patternrun import FastPath, key_list_attention, run_pattern
 
 FAMILY = "sparse"
 SURVEY = "Lin et al. 2021 (survey §3.1.1)"
@@ -277,12 +277,14 @@ class Random(nn.Module):
     def __init__(self, cfg: RandomConfig, dims: HeadDims) -> None:
         super().__init__()
         self.cfg, self.dims = cfg, dims
-        self._fast = key_list_path(
-            lambda n, layer: random_key_list(n, cfg.num_random, cfg.seed, layer))
 
     def bias(self, n: int, m: int, layer_idx: int = 0) -> torch.Tensor:
         pat = random_pattern(n, m, self.cfg.num_random, self.cfg.seed, layer_idx)
         return pattern_bias(pat)[None]
+
+    def _fast(self, q, k, v, ctx: AttnContext, scale: float, p: float) -> torch.Tensor:
+        keys = random_key_list(q.shape[2], self.cfg.num_random, self.cfg.seed, ctx.layer_idx)
+        return key_list_attention(keys, q, k, v, ctx, scale, p)
 
     def forward(self, q, k, v, ctx: AttnContext) -> AttnOutput:
         return run_pattern(self, q, k, v, ctx, self._fast)
@@ -522,12 +524,12 @@ class SparseTransformer(nn.Module):
     def __init__(self, cfg: SparseTransformerConfig, dims: HeadDims) -> None:
         super().__init__()
         self.cfg, self.dims = cfg, dims
-        self._key_lists = key_list_path(lambda n, _: strided_key_list(n, cfg.stride))
         self._fast: FastPath = self._strided if cfg.mode == "strided" else self._fixed
 
     def _strided(self, q, k, v, ctx: AttnContext, scale: float, p: float) -> torch.Tensor:
         if not _blockflash.usable(q, p):  # attention dropout, other dtypes: key lists
-            return self._key_lists(q, k, v, ctx, scale, p)
+            keys = strided_key_list(q.shape[2], self.cfg.stride)
+            return key_list_attention(keys, q, k, v, ctx, scale, p)
         return bp.strided_attention(q, k, v, stride=self.cfg.stride, key_mask=ctx.key_mask,
                                     causal=ctx.causal, scale=scale)
 
