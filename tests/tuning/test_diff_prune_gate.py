@@ -111,3 +111,52 @@ def test_log_alpha_trains_at_its_own_lr_as_the_official_scripts():
     assert 0 < 1000 * moved_slow < moved  # lr 0.1 vs 1e-5 (fp32 steps near 5: 4.8e-7)
     with pytest.raises(ValueError, match="alpha_lr"):
         DiffPruneConfig(alpha_lr=0.0)
+
+
+@pytest.mark.parametrize("spec", ["linformer(k=4, share='layerwise')", "luna(num_memory=3)"])
+def test_a_weight_shared_across_layers_gets_one_diff(spec):
+    """A plan that ties a weight across layers (one Parameter, several modules): one diff
+    and gate on its first use, read by every use; before, diff_prune refused such a plan.
+    With w set, the tuned model equals the plain planned model whose shared weight is
+    theta_0 + gate * w (bit-identical in eval); a training step's gradient reaches the one
+    w from every layer that reads it; the saved diff reloads."""
+    import copy
+
+    from tuning_helpers import bert_pair_batch, make_bert
+
+    from attnlab.hf import apply_plan
+    from attnlab.tuning import TaskInfo, resolve_tuning
+
+    plain = make_bert()
+    apply_plan(plain, f"all:all:{spec}", max_len=16)
+    attr = "E" if spec.startswith("linformer") else "memory"
+    uses = [m for m in plain.modules() if isinstance(getattr(m, attr, None), torch.nn.Parameter)]
+    assert len(uses) == 2 and getattr(uses[0], attr) is getattr(uses[1], attr)  # tied
+    pristine = copy.deepcopy(plain)
+    tuner, cfg = resolve_tuning("diff_prune")
+    model = tuner.apply(copy.deepcopy(plain), cfg, task=TaskInfo(kind="pair"))
+    gates = {n: g for n, g in diff_modules(model).items() if n.endswith(f".{attr}")}
+    assert len(gates) == 1  # one diff for the shared weight
+    (gate,) = gates.values()
+    with torch.no_grad():
+        gate.w.normal_()
+    model.eval()
+    used = [m for m in model.modules() if hasattr(m, "parametrizations")
+            and attr in m.parametrizations]
+    assert len(used) == 2 and torch.equal(getattr(used[0], attr), getattr(used[1], attr))
+    with torch.no_grad():
+        getattr(uses[0], attr).copy_(getattr(used[0], attr))
+    batch = bert_pair_batch()
+    with torch.no_grad():
+        assert torch.equal(model(**batch).logits, plain.eval()(**batch).logits)
+
+    model.train()
+    torch.manual_seed(0)
+    model(**batch, labels=torch.tensor([0, 1, 2])).loss.backward()
+    assert gate.w.grad is not None and gate.w.grad.abs().sum() > 0
+
+    twin = tuner.apply(pristine, cfg, task=TaskInfo(kind="pair"))
+    tuner.load_tuned(twin, tuner.state_dict_to_save(model))
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(twin.eval()(**batch).logits, model(**batch).logits)

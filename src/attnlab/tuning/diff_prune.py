@@ -25,7 +25,9 @@ weight access.
 
 How: ``torch.nn.utils.parametrize`` registers ``DiffParametrization`` on every backbone
 parameter, so ``module.weight`` is recomputed from theta_0 (``parametrizations.<p>.original``)
-on each access and the modelling code is untouched.
+on each access and the modelling code is untouched. A parameter that several modules share
+(a plan's cross-layer ties: luna's P, ``linformer(share='layerwise')``'s E) gets one diff,
+on its first use; its other uses read that one (``SharedDiff``).
 
 Defaults are the hard-concrete constants of Louizos, Welling, Kingma, "Learning Sparse
 Neural Networks through L0 Regularization", ICLR 2018 (beta 2/3, gamma -0.1, zeta 1.1). The
@@ -189,6 +191,20 @@ class DiffParametrization(nn.Module):
         self.log_alpha.requires_grad_(False)
 
 
+class SharedDiff(nn.Module):
+    """Another use of a weight that several modules share (tied across layers): it reads
+    the first use's theta_0 + z * w, so one diff and one gate serve every use and the
+    gradient of each use reaches them. Holds no parameters of its own."""
+
+    def __init__(self, owner: nn.Module, name: str) -> None:
+        super().__init__()
+        self._owner = [owner]  # in a list: not a submodule (the owner sits elsewhere)
+        self.name = name
+
+    def forward(self, theta0: torch.Tensor) -> torch.Tensor:
+        return getattr(self._owner[0], self.name)
+
+
 def diff_modules(model: nn.Module) -> dict[str, DiffParametrization]:
     """Logical parameter name (e.g. ``bert.encoder.layer.0.output.dense.weight``) -> gate."""
     out = {}
@@ -213,19 +229,21 @@ class DiffPruneTuner:
               ) -> nn.Module:
         record = start_tuning(model, cfg)
         backbone = backbone_of(model)
-        seen: set[int] = set()
-        targets = []
+        owners: dict[int, tuple[nn.Module, str]] = {}  # id(parameter) -> its first use
+        targets, shared = [], []
         for mod in backbone.modules():
             for pname, p in list(mod._parameters.items()):
                 if p is None:
                     continue
-                if id(p) in seen:
-                    raise ValueError("diff pruning cannot parametrise tied weights inside the "
-                                     "backbone; untie them first")
-                seen.add(id(p))
-                targets.append((mod, pname, p))
+                if id(p) in owners:  # tied (luna's P, linformer(share='layerwise')'s E)
+                    shared.append((mod, pname, owners[id(p)]))
+                else:
+                    owners[id(p)] = (mod, pname)
+                    targets.append((mod, pname, p))
         for mod, pname, p in targets:
             parametrize.register_parametrization(mod, pname, DiffParametrization(p, cfg))
+        for mod, pname, (owner, oname) in shared:
+            parametrize.register_parametrization(mod, pname, SharedDiff(owner, oname))
         keep_ids = {id(q) for g in diff_modules(model).values() for q in (g.w, g.log_alpha)}
         set_trainable(model, [n for n, q in model.named_parameters() if id(q) in keep_ids])
         return finish_tuning(model, record)
