@@ -1,6 +1,8 @@
 """Diff-Prune's fused training-time gate (``_NoisyDiff``) against the plain autograd form:
 forward and gradients to 1e-6 (fp32) / 1e-12 (fp64), gates saturated at both ends included;
-and log_alpha's own learning rate against the official scripts' two optimizers (exact)."""
+and log_alpha's own learning rate against the official scripts' two optimizers (exact);
+one diff for a weight several modules share (a plan's cross-layer ties, a masked-LM decoder
+tied to the word embeddings), read by every use."""
 
 import pytest
 import torch
@@ -160,3 +162,29 @@ def test_a_weight_shared_across_layers_gets_one_diff(spec):
     model.eval()
     with torch.no_grad():
         assert torch.equal(twin.eval()(**batch).logits, model(**batch).logits)
+
+
+def test_a_head_tied_to_a_backbone_weight_reads_its_diff():
+    """BertForMaskedLM: the decoder shares the word embeddings (a backbone weight); with
+    the diff set, the tuned model equals the plain one whose shared weight is theta_0 +
+    gate * w, in the embeddings and the decoder alike (before, the decoder kept theta_0)."""
+    import copy
+
+    from transformers import BertConfig, BertForMaskedLM
+
+    from attnlab.tuning import TaskInfo, resolve_tuning
+
+    torch.manual_seed(0)
+    plain = BertForMaskedLM(BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1,
+                                       num_attention_heads=2, intermediate_size=32))
+    emb = plain.bert.embeddings.word_embeddings
+    assert plain.cls.predictions.decoder.weight is emb.weight
+    tuner, cfg = resolve_tuning("diff_prune")
+    model = tuner.apply(copy.deepcopy(plain), cfg, task=TaskInfo(kind="other")).eval()
+    gate = diff_modules(model)["bert.embeddings.word_embeddings.weight"]
+    with torch.no_grad():
+        gate.w.normal_()
+        emb.weight.copy_(model.bert.embeddings.word_embeddings.weight)  # decoder too: tied
+    ids = torch.randint(0, 50, (2, 7))
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, plain.eval()(input_ids=ids).logits)

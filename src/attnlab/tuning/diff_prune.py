@@ -27,7 +27,8 @@ How: ``torch.nn.utils.parametrize`` registers ``DiffParametrization`` on every b
 parameter, so ``module.weight`` is recomputed from theta_0 (``parametrizations.<p>.original``)
 on each access and the modelling code is untouched. A parameter that several modules share
 (a plan's cross-layer ties: luna's P, ``linformer(share='layerwise')``'s E) gets one diff,
-on its first use; its other uses read that one (``SharedDiff``).
+on its first use; its other uses read that one (``SharedDiff``), and so does a head
+module that shares a backbone weight (a masked-LM decoder tied to the word embeddings).
 
 Defaults are the hard-concrete constants of Louizos, Welling, Kingma, "Learning Sparse
 Neural Networks through L0 Regularization", ICLR 2018 (beta 2/3, gamma -0.1, zeta 1.1). The
@@ -240,6 +241,12 @@ class DiffPruneTuner:
                 else:
                     owners[id(p)] = (mod, pname)
                     targets.append((mod, pname, p))
+        inside = {id(m) for m in backbone.modules()}
+        for mod in model.modules():  # a head's use of a backbone weight (an MLM decoder
+            if id(mod) in inside:  # tied to the word embeddings) reads the diffed weight
+                continue
+            shared += [(mod, pname, owners[id(p)]) for pname, p in mod._parameters.items()
+                       if p is not None and id(p) in owners]
         for mod, pname, p in targets:
             parametrize.register_parametrization(mod, pname, DiffParametrization(p, cfg))
         for mod, pname, (owner, oname) in shared:
