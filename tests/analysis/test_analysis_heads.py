@@ -331,3 +331,16 @@ def test_a_share_exactly_at_the_threshold_reaches_it():
     p[0, 18:, 0, :, 5] = 1
     s = score_heads(p, [TokenInfo.from_length(n)] * 20)
     assert classify_heads(s)[0][0] == "vertical"
+
+
+def test_entropy_of_a_map_with_negative_weights_is_nan():
+    """An approximation's map (Nystrom, Linformer) can hold negative weights: no entropy
+    (NaN), not entr's -inf, which a selection like entropy<1.5 would take for a peaked
+    head; the uniform head beside it keeps log n, and the other scores stay defined."""
+    uniform = torch.full((N, N), 1.0 / N)
+    signed = uniform.clone()
+    signed[3, 4], signed[3, 5] = -0.05, 0.25  # rows still sum to 1
+    s = score_heads(as_maps(uniform, signed), [single()])
+    assert s["entropy"][0, 0].item() == pytest.approx(math.log(N))
+    assert math.isnan(s["entropy"][0, 1].item())
+    assert not torch.isnan(s["vertical"]).any() and not torch.isnan(s["diagonal"]).any()

@@ -190,12 +190,16 @@ class Block:
 @register_scorer
 @dataclass(frozen=True, kw_only=True)
 class Entropy:
-    """Mean row entropy in nats (Clark et al. 2019); log n for uniform rows, 0 for one-hot."""
+    """Mean row entropy in nats (Clark et al. 2019); log n for uniform rows, 0 for one-hot.
+    NaN for a head whose map has a negative weight (the Nystrom, Linformer and CSALR
+    approximations): it is not a distribution and has no entropy (``entr`` would give
+    -inf, which a selection such as ``entropy<1.5`` would take for a peaked head)."""
 
     name: ClassVar[str] = "entropy"
 
     def __call__(self, view: HeadView) -> Tensor:
-        return torch.special.entr(view.p).sum(-1).mean(-1)
+        ent = torch.special.entr(view.p).sum(-1).mean(-1)  # [h]
+        return ent.masked_fill((view.p < 0).flatten(1).any(-1), float("nan"))
 
 
 @register_scorer
