@@ -424,7 +424,9 @@ def attnlab_attention(
     is_causal = kwargs.get("is_causal")
     if is_causal is None:
         is_causal = bool(getattr(module, "is_causal", False))
-    recorder = _RECORDER.get()
+    # a ContextVar read is a graph break under torch.compile (one per attention call):
+    # capture_attention records in eager runs only
+    recorder = None if torch.compiler.is_compiling() else _RECORDER.get()
     need = bool(kwargs.get("output_attentions")) or recorder is not None
     replay: Replay | None = kwargs.get(REPLAY_KWARG)
     if layer is None:

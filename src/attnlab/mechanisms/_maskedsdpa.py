@@ -73,7 +73,8 @@ def masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.T
     if causal:
         mask = mask.masked_fill(~causal_mask(n, m, q.device), neg)
     live = ~torch.isneginf(mask).all(-1, keepdim=True)  # [b|1,h|1,n,1]
-    dead = not bool(live.all())
+    # compiled: no data-dependent branch (a graph break in every call); the same values
+    dead = torch.compiler.is_compiling() or not bool(live.all())
     if dead:  # a row of -inf would give NaN: give it every key, zero it after
         mask = mask.masked_fill(~live, 0.0)
     out = sdpa(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scale)  # [b,h,n,dv]
