@@ -168,6 +168,21 @@ def test_compiled_bert_traces_into_one_graph(spec, bert_factory):
     torch.testing.assert_close(got, want, **TOL)
 
 
+def test_capture_of_a_compiled_model_records_on_the_original(bert_factory):
+    """capture_attention on torch.compile's wrapper records the original module's maps
+    (eagerly): the same maps as on the model itself."""
+    from attnlab.hf import capture_attention
+
+    model = bert_factory(num_hidden_layers=2)
+    apply_plan(model, "all:all:band(window=2)")
+    ids = torch.randint(5, 100, (2, 12), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    want = capture_attention(model, batch)
+    got = capture_attention(torch.compile(model, backend="aot_eager"), batch)
+    for layer in range(2):
+        assert torch.equal(got[layer], want[layer])
+
+
 def test_jat_link_counts_run_outside_the_graph(monkeypatch):
     """JAT's A_hat (integer link counts, no gradient) runs eagerly under torch.compile, on
     the factored path (``head_adjacency``) and on the weights path (``jump_counts_or_none``):

@@ -108,6 +108,9 @@ def capture_attention(
     """One forward of ``model`` on ``batch``, recording every layer's probabilities."""
     if on_missing not in ("error", "none"):
         raise ValueError(f"on_missing must be 'error' or 'none', got {on_missing!r}")
+    # torch.compile's wrapper: record on the original module, eagerly (the recorder is not
+    # read inside a compiled graph)
+    model = getattr(model, "_orig_mod", model)
     host = inspect_model(model)
     inputs = _model_inputs(model, batch)
     register_backend()
