@@ -476,7 +476,8 @@ class Routing(nn.Module):
     members) (clusters with no member keep mu_c), applied when the backward reaches q (at
     once when q needs no gradient; a forward whose graph is never backpropagated, or that
     runs without gradients, does not step), so gradient checkpointing, reentrant or not,
-    neither re-steps nor re-routes; eval mode never
+    neither re-steps nor re-routes (under ``torch.compile`` the step is applied in the
+    forward itself, whose graph may then go without a backward); eval mode never
     updates, so it is deterministic. The centroids are a buffer [h, k, d] (saved with
     the model, no gradient), initialised from a generator seeded by ``seed``.
     Complexity O(n*k*d + k*w^2*d) time (+ O(n log n) top-w), O(k*w^2) memory.
@@ -541,7 +542,9 @@ class Routing(nn.Module):
         its recomputation, which routes by the centroids its first forward used."""
         if not torch.is_grad_enabled():
             return
-        if not q.requires_grad:
+        if not q.requires_grad or torch.compiler.is_compiling():
+            # compiled: at once (a hook registered inside a compiled training forward lost
+            # the model's loss from its output in torch 2.13)
             self.centroids.copy_(new)
             return
 

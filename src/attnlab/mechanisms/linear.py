@@ -85,6 +85,8 @@ class LinearReluConfig(MechanismConfig):
 
 def elu_feature_map(x: torch.Tensor) -> torch.Tensor:
     """phi(x) = elu(x) + 1: positive, so every normaliser is a sum of positive terms."""
+    if torch.compiler.is_compiling():  # the compiled backward of elu on a transposed
+        x = x.contiguous()  # view (a Hugging Face layer's heads) fails in torch 2.13
     return F.elu(x) + 1.0
 
 
