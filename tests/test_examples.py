@@ -26,6 +26,10 @@ EXPECTED = {
     "compare_two_mechanisms.py": [
         r"softmax \(baseline\) +-?\d\.\d{3} ", r"band\(window=8\) +-?\d\.\d{3} ",
         r"comparison\.md"],
+    "hf_trainer.py": [
+        r"disagreement = disagreement\(", r"trained 6 steps, mean loss \d",
+        r"dev mcc: -?\d\.\d{3}  \(32 sentences\)",
+        r"reloaded with its plan: identical dev logits True"],
     "analyse_heads.py": [
         r"default: 6 sentences", r"layer +vertical +diagonal +vertical\+diagonal +block "
         r"+heterogeneous", r"\n    5 +\d+"],
