@@ -195,7 +195,8 @@ class DiffParametrization(nn.Module):
 class SharedDiff(nn.Module):
     """Another use of a weight that several modules share (tied across layers): it reads
     the first use's theta_0 + z * w, so one diff and one gate serve every use and the
-    gradient of each use reaches them. Holds no parameters of its own."""
+    gradient of each use reaches them (in training each use draws its own gate sample, as
+    every access of a diffed weight does). Holds no parameters of its own."""
 
     def __init__(self, owner: nn.Module, name: str) -> None:
         super().__init__()
