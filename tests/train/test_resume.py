@@ -176,3 +176,29 @@ def test_training_draws_resume_where_they_stood(tmp_path, spec):
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("tuning", ["full", "diff_prune(mask_epochs=0)"])
+def test_weights_tied_across_layers_resume(tmp_path, tuning, caplog):
+    """A plan that shares one weight across layers (luna's P): the checkpoint stores it
+    once (safetensors), the resumed run ties it again and ends where the uninterrupted run
+    ends, also under Diff-Prune (one diff on the shared weight); Accelerate's notice that it
+    removed the shared names is not shown."""
+    base = [x for x in BASE if not x.startswith("train.grad_accum")] + [
+        "plan=all:all:luna(num_memory=2)", f"tuning.method={tuning}", "train.save_every=1"]
+
+    def run(name, **kw):
+        cfg = load_config(None, base + [f"name={name}", f"output_dir={tmp_path}"])
+        return run_experiment(cfg, **kw)
+
+    with caplog.at_level("WARNING"):
+        full = run("full")
+        assert run("cut", stop_after=3)["interrupted"]
+        resumed = run("cut", resume=True)
+    assert not [r for r in caplog.records if "Removed shared tensor" in r.getMessage()]
+    a = load_file(tmp_path / "full" / "tuned.safetensors")
+    b = load_file(tmp_path / "cut" / "tuned.safetensors")
+    assert a.keys() == b.keys() and len(a) > 0
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0)
+    assert resumed["final_eval"] == pytest.approx(full["final_eval"], abs=1e-6)

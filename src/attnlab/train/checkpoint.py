@@ -5,13 +5,21 @@ A checkpoint is a folder ``<run>/checkpoints/step-<N>/`` written by Accelerate's
 plus ``trainer_state.json`` (step, epoch, position in the epoch, best metric, history).
 It is written into a temporary sibling folder and renamed into place, so an interrupted
 save never leaves a half-written checkpoint that ``--resume`` would pick up.
+
+Weights that a plan shares across layers (``luna``'s P, ``linformer(share='layerwise')``'s
+E) are one tensor under several names: safetensors stores it once and Accelerate warns,
+at every checkpoint, that it removed the other names; the plan ties them again when the
+run resumes (tested: the resumed run ends as the uninterrupted one), so that warning is
+left out of the console.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +54,24 @@ def checkpoint_dir(run_dir: Path, step: int) -> Path:
     return run_dir / "checkpoints" / f"step-{step:08d}"
 
 
+class _NoSharedTensorNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = str(record.msg)  # Accelerate prefixes the process: "[RANK 0] Removed ..."
+        return not ("Removed shared tensor" in msg and "while saving" in msg)
+
+
+@contextmanager
+def _quiet_shared_tensors():
+    """Drop Accelerate's "Removed shared tensor ... while saving" notice (module doc)."""
+    logger = logging.getLogger("accelerate.utils.other")
+    notice = _NoSharedTensorNotice()
+    logger.addFilter(notice)
+    try:
+        yield
+    finally:
+        logger.removeFilter(notice)
+
+
 def save_checkpoint(accelerator, run_dir: Path, state: TrainerState, keep: int = 1) -> Path:
     """Save model/optimizer/scheduler/RNG + trainer state atomically; keep the newest ``keep``."""
     final = checkpoint_dir(run_dir, state.step)
@@ -53,7 +79,8 @@ def save_checkpoint(accelerator, run_dir: Path, state: TrainerState, keep: int =
     if accelerator.is_main_process and tmp.exists():
         shutil.rmtree(tmp)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp), safe_serialization=True)
+    with _quiet_shared_tensors():
+        accelerator.save_state(str(tmp), safe_serialization=True)
     if accelerator.is_main_process:
         write_json(tmp / STATE_FILE, asdict(state))
         if final.exists():
