@@ -9,9 +9,9 @@ and a fresh process with another hash seed in the last test). Length-bound mecha
 (``caps.needs_max_len``) are sized by ``max_len=MAX_LEN``, which surgery.json records.
 
 Also ``copy.deepcopy`` and pickling the whole model (``torch.save(model)``), as EMA
-teachers, ensembles and trainers do: before, pickling failed for every mechanism (the
-per-forward state lost its task ids on unpickling) and for ``random`` and
-``sparse_transformer`` (a closure as an attribute).
+teachers, ensembles and trainers do: before, a pickled model failed at its first forward
+for every mechanism (the per-forward state lost its task ids on unpickling), and pickling
+failed for ``random`` and ``sparse_transformer`` (a closure as an attribute).
 
 Tolerance: none; reloaded eval-mode outputs are bit-identical (``torch.equal``).
 """
