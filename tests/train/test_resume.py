@@ -21,6 +21,15 @@ def _run(tmp_path, name, resume=False, stop_after=None):
     return run_experiment(cfg, resume=resume, stop_after=stop_after)
 
 
+def assert_same_weights(folder, min_keys: int = 1) -> None:
+    """The tuned weights of runs ``full`` and ``cut`` (resumed) in ``folder`` to 1e-6."""
+    a = load_file(folder / "full" / "tuned.safetensors")
+    b = load_file(folder / "cut" / "tuned.safetensors")
+    assert a.keys() == b.keys() and len(a) >= min_keys
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("runs")
@@ -34,11 +43,7 @@ def test_resume_reproduces_uninterrupted_run(runs):
     tmp, full, part, resumed = runs
     assert part["interrupted"] and part["steps"] == 3
     assert resumed["steps"] == full["steps"] == 6
-    a = load_file(tmp / "full" / "tuned.safetensors")
-    b = load_file(tmp / "cut" / "tuned.safetensors")
-    assert a.keys() == b.keys() and len(a) > 10
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0)
+    assert_same_weights(tmp, min_keys=11)
     assert resumed["final_eval"] == pytest.approx(full["final_eval"], abs=1e-6)
 
 
@@ -120,10 +125,7 @@ def test_mlm_resume_reproduces_the_uninterrupted_run(tmp_path):
     full = run_experiment(load_config(None, mlm + ["name=full"]))
     run_experiment(load_config(None, mlm + ["name=cut"]), stop_after=3)
     resumed = run_experiment(load_config(None, mlm + ["name=cut"]), resume=True)
-    a = load_file(tmp_path / "full" / "tuned.safetensors")
-    b = load_file(tmp_path / "cut" / "tuned.safetensors")
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0)
+    assert_same_weights(tmp_path)
     assert resumed["final_eval"] == pytest.approx(full["final_eval"], abs=1e-6)
 
 
@@ -171,11 +173,7 @@ def test_training_draws_resume_where_they_stood(tmp_path, spec):
     run("full")
     assert run("cut", stop_after=3)["interrupted"]
     run("cut", resume=True)
-    a = load_file(tmp_path / "full" / "tuned.safetensors")
-    b = load_file(tmp_path / "cut" / "tuned.safetensors")
-    assert a.keys() == b.keys()
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0)
+    assert_same_weights(tmp_path)
 
 
 @pytest.mark.parametrize("tuning", ["full", "diff_prune(mask_epochs=0)"])
@@ -196,9 +194,5 @@ def test_weights_tied_across_layers_resume(tmp_path, tuning, caplog):
         assert run("cut", stop_after=3)["interrupted"]
         resumed = run("cut", resume=True)
     assert not [r for r in caplog.records if "Removed shared tensor" in r.getMessage()]
-    a = load_file(tmp_path / "full" / "tuned.safetensors")
-    b = load_file(tmp_path / "cut" / "tuned.safetensors")
-    assert a.keys() == b.keys() and len(a) > 0
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0)
+    assert_same_weights(tmp_path)
     assert resumed["final_eval"] == pytest.approx(full["final_eval"], abs=1e-6)
