@@ -6,11 +6,12 @@ plus ``trainer_state.json`` (step, epoch, position in the epoch, best metric, hi
 It is written into a temporary sibling folder and renamed into place, so an interrupted
 save never leaves a half-written checkpoint that ``--resume`` would pick up.
 
-Weights that a plan shares across layers (``luna``'s P, ``linformer(share='layerwise')``'s
-E) are one tensor under several names: safetensors stores it once and Accelerate warns,
-at every checkpoint, that it removed the other names; the plan ties them again when the
-run resumes (tested: the resumed run ends as the uninterrupted one), so that warning is
-left out of the console.
+Weights shared under several names (a plan's cross-layer ties: ``luna``'s P,
+``linformer(share='layerwise')``'s E; a masked-LM decoder tied to the embeddings) are one
+tensor: safetensors stores it once and Accelerate warns, at every checkpoint, that it
+removed the other names. The resumed run ties them again (the plan, the model's own
+``tie_weights``) and ends as the uninterrupted one (tests/train/test_resume.py: luna under
+full tuning and Diff-Prune, masked LM), so that warning is left out of the console.
 """
 
 from __future__ import annotations
